@@ -1,0 +1,35 @@
+# The two commands of the README. Both bootstrap .venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint types unit bench clean
+
+$(STAMP): pyproject.toml
+	@echo "bootstrapping $(VENV) (first run installs the project and its test tools)..."
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	@$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/loopwarden serve $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check budget middleware tests bench dashboards
+	$(BIN)/ruff format --check budget middleware tests bench dashboards
+
+types: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test: lint types unit
+
+bench: $(STAMP)
+	$(BIN)/python bench/ledger.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,106 @@
+"""The ``loopwarden`` command: ``serve`` (the gateway) and ``devmodel`` (the scripted model alone).
+
+Every ``serve`` flag has a ``LOOPWARDEN_<NAME>`` environment variable and a config-file key of the
+same name; flags win over the environment, which wins over the file (DESIGN.md §3). An invalid
+value exits with status 2 and a message naming the field, the range and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from middleware.config import ConfigError, load_settings
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="serve the gateway", argument_default=None)
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    p.add_argument(
+        "--upstream",
+        help="base URL of a Responses-compatible server, e.g. http://127.0.0.1:8000/v1 "
+        "(default: start the embedded development model)",
+    )
+    p.add_argument(
+        "--upstream-api-key", help="bearer token sent upstream (prefer $LOOPWARDEN_UPSTREAM_API_KEY)"
+    )
+    p.add_argument("--upstream-connect-timeout", type=float, help="seconds to connect upstream (default 10)")
+    p.add_argument(
+        "--upstream-read-timeout",
+        type=float,
+        help="seconds allowed for the first byte and between any two reads (default 600)",
+    )
+    p.add_argument("--upstream-deadline", type=float, help="seconds for a whole upstream call (default 1800)")
+    p.add_argument("--upstream-max-connections", type=int, help="pooled upstream connections (default 100)")
+    p.add_argument("--max-infer-iters", type=int, help="inference calls per request, 1..=100 (default 10)")
+    p.add_argument(
+        "--max-retained-bytes",
+        type=int,
+        help="retained-bytes budget per request, 4096..=268435456 (default 67108864)",
+    )
+    p.add_argument("--client-body-timeout", type=float, help="seconds to receive a request body (default 30)")
+    p.add_argument(
+        "--keepalive-interval", type=float, help="seconds between SSE keep-alive comments (default 15)"
+    )
+    p.add_argument("--workers", type=int, help="worker processes (default 1)")
+    p.add_argument("--log-level", help="critical, error, warning, info or debug (default info)")
+    p.add_argument("--config", help="YAML or TOML file with settings (flags override it)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``loopwarden`` console script; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="loopwarden", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    dev = sub.add_parser("devmodel", help="serve only the embedded development model (no real model inside)")
+    dev.add_argument("--host", default="127.0.0.1")
+    dev.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+
+    if args.command == "devmodel":
+        from middleware.devmodel import create_devmodel_app
+
+        uvicorn.run(create_devmodel_app(), host=args.host, port=args.port, log_level="info")
+        return 0
+
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        settings = load_settings(flags, os.environ)
+    except ConfigError as exc:
+        print(f"loopwarden: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"loopwarden: serving on http://{settings.host}:{settings.port} "
+        f"(upstream: {settings.upstream or 'embedded development model'}, "
+        f"max_infer_iters={settings.max_infer_iters}, max_retained_bytes={settings.max_retained_bytes})",
+        file=sys.stderr,
+        flush=True,
+    )
+    if settings.workers == 1:
+        from middleware.app import create_app
+
+        uvicorn.run(
+            create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
+        )
+    else:
+        os.environ.update(settings.to_env())
+        uvicorn.run(
+            "middleware.app:create_app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_level=settings.log_level,
+        )
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Gateway configuration: one frozen `Settings` object resolved from four sources.
+
+Precedence (DESIGN.md §3): command-line flags > ``LOOPWARDEN_*`` environment variables >
+the config file (YAML or TOML, ``--config FILE``) > the defaults below. Every value is
+validated once, at start-up; an invalid value raises `ConfigError` with a message naming the
+field, the allowed range and the value given (the ``budget.Limits`` wording).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from budget import Limits
+
+ENV_PREFIX = "LOOPWARDEN_"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value or file; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything `loopwarden serve` needs, validated.
+
+    Units: timeouts and intervals in seconds, sizes in bytes. ``upstream`` is the base URL of a
+    Responses-compatible server including its ``/v1`` (``None``: start the embedded development
+    model). ``limits`` holds ``max_infer_iters`` and ``max_retained_bytes`` (DESIGN.md §3).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    upstream: str | None = None
+    upstream_api_key: str | None = dataclasses.field(default=None, repr=False)
+    upstream_connect_timeout: float = 10.0
+    upstream_read_timeout: float = 600.0
+    upstream_deadline: float = 1800.0
+    upstream_max_connections: int = 100
+    max_infer_iters: int = 10
+    max_retained_bytes: int = 67_108_864
+    client_body_timeout: float = 30.0
+    keepalive_interval: float = 15.0
+    workers: int = 1
+    log_level: str = "info"
+    config: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            Limits(max_infer_iters=self.max_infer_iters, max_retained_bytes=self.max_retained_bytes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for name in (
+            "upstream_connect_timeout",
+            "upstream_read_timeout",
+            "upstream_deadline",
+            "client_body_timeout",
+            "keepalive_interval",
+        ):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..=65535, got {self.port}")
+        if not 1 <= self.workers <= 256:
+            raise ConfigError(f"workers must be in 1..=256, got {self.workers}")
+        if not 1 <= self.upstream_max_connections <= 10_000:
+            raise ConfigError(
+                f"upstream_max_connections must be in 1..=10000, got {self.upstream_max_connections}"
+            )
+        if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
+            raise ConfigError(f"upstream must be an http:// or https:// URL, got {self.upstream!r}")
+        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
+            raise ConfigError(
+                f"log_level must be one of critical, error, warning, info, debug, got {self.log_level!r}"
+            )
+
+    @property
+    def limits(self) -> Limits:
+        """The server-wide request limits (a `budget.Limits`)."""
+        return Limits(max_infer_iters=self.max_infer_iters, max_retained_bytes=self.max_retained_bytes)
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as one environment variable, to hand to worker processes."""
+        return {ENV_PREFIX + "SETTINGS_JSON": json.dumps(dataclasses.asdict(self))}
+
+    @classmethod
+    def from_env_json(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        """Rebuild the settings `to_env` exported (used by worker processes)."""
+        raw = environ.get(ENV_PREFIX + "SETTINGS_JSON")
+        if raw is None:
+            return load_settings({}, environ)
+        return cls(**json.loads(raw))
+
+
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Convert `value` (from `source`) to the type of field `name`; ConfigError if it cannot."""
+    kind = FIELDS[name].type
+    if value is None:
+        return None
+    try:
+        if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} from {source} must be {kind.replace('|', 'or')}, got {value!r}") from None
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file into a dict.
+
+    Keys may use dashes or underscores. Raises ConfigError for a missing or malformed file or an
+    unknown key (the message lists the known keys).
+    """
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if p.suffix == ".toml":
+            data: Any = tomllib.loads(text.decode("utf-8"))
+        else:
+            data = yaml.safe_load(text) or {}
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"config file {path} is not valid {p.suffix.lstrip('.') or 'YAML'}: {exc}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS or name == "config":
+            known = ", ".join(sorted(n for n in FIELDS if n != "config"))
+            raise ConfigError(f"unknown setting {key!r} in config file {path}; known settings: {known}")
+        out[name] = _coerce(name, value, f"config file {path}")
+    return out
+
+
+def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Settings:
+    """Resolve `Settings` from flags (only those given, i.e. not None), env and the config file.
+
+    Raises ConfigError naming the field, range and value for anything invalid.
+    """
+    given = {k: v for k, v in flags.items() if v is not None and k in FIELDS}
+    env: dict[str, Any] = {}
+    for name in FIELDS:
+        key = ENV_PREFIX + name.upper()
+        if key in environ and environ[key] != "":
+            env[name] = _coerce(name, environ[key], f"${key}")
+    config_path = given.get("config") or env.get("config")
+    from_file = read_config_file(config_path) if config_path else {}
+    merged: dict[str, Any] = {**from_file, **env, **{k: _coerce(k, v, "--flag") for k, v in given.items()}}
+    try:
+        return Settings(**merged)
+    except TypeError as exc:  # pragma: no cover - guarded by FIELDS
+        raise ConfigError(str(exc)) from None

@@ -1,0 +1,214 @@
+"""The upstream (model server) HTTP client, behind a small interface.
+
+`UpstreamClient.post(path, body, stream=...)` opens one request to the Responses-compatible model
+server and returns an `UpstreamResponse` whose body is read incrementally with `chunks()`.
+Transport failures are raised as `UpstreamError` subclasses whose ``kind`` is the
+``loopwarden_upstream_errors_total`` label (DESIGN.md §8) — never a bare httpx exception — so the
+outcome authority can map them to DESIGN.md §5 (timeouts -> 504 ``upstream_timeout``, the rest ->
+502). The interface exists so other HTTP clients can be benchmarked behind it (issue: performance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+import httpx
+
+# Never copied from upstream to client (hop-by-hop and framing headers; RFC 9110 §7.6.1).
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+    }
+)
+
+
+class UpstreamError(Exception):
+    """Base of every upstream transport failure.
+
+    ``kind`` is one of connect, timeout, eof, protocol, decode (the metric label);
+    ``code`` is the DESIGN.md §5 error code.
+    """
+
+    kind = "protocol"
+    code = "upstream_invalid_response"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class UpstreamTimeout(UpstreamError):
+    """Connect, first-byte, idle-read or whole-call deadline passed. ``phase`` says which."""
+
+    kind = "timeout"
+    code = "upstream_timeout"
+
+    def __init__(self, message: str, *, phase: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+
+
+class UpstreamConnectError(UpstreamError):
+    """The model server could not be reached (refused, DNS, TLS)."""
+
+    kind = "connect"
+    code = "upstream_unavailable"
+
+
+class UpstreamIncomplete(UpstreamError):
+    """The body or stream ended early (connection closed before the declared end)."""
+
+    kind = "eof"
+    code = "upstream_incomplete"
+
+
+class UpstreamDecodeError(UpstreamError):
+    """The body could not be decoded (bad content encoding)."""
+
+    kind = "decode"
+    code = "upstream_incomplete"
+
+
+class UpstreamResponse(Protocol):
+    """One upstream answer: status, lower-cased headers, and its body read incrementally."""
+
+    status_code: int
+    headers: Mapping[str, str]
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """Yield decoded body bytes as they arrive; raises UpstreamError subclasses."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the connection (idempotent)."""
+        ...
+
+
+class UpstreamClient(Protocol):
+    """A process-wide client for one model server."""
+
+    async def post(self, path: str, body: bytes, *, stream: bool) -> UpstreamResponse:
+        """POST `body` (JSON bytes) to ``base_url + path``; raises UpstreamError subclasses."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close every pooled connection."""
+        ...
+
+
+def _translate(exc: httpx.HTTPError, *, during: str, timeouts: httpx.Timeout) -> UpstreamError:
+    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return UpstreamTimeout(
+            f"upstream did not accept the connection within {timeouts.connect} s", phase="connect"
+        )
+    if isinstance(exc, httpx.TimeoutException):
+        phase = "first_byte" if during == "headers" else "read"
+        what = "send response headers" if during == "headers" else "send more of its body"
+        return UpstreamTimeout(f"upstream did not {what} within {timeouts.read} s", phase=phase)
+    if isinstance(exc, httpx.ConnectError):
+        return UpstreamConnectError(f"cannot connect to the upstream: {exc}")
+    if isinstance(exc, httpx.DecodingError):
+        return UpstreamDecodeError(f"upstream body could not be decoded: {exc}")
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+        return UpstreamIncomplete(f"upstream closed the connection early: {exc}")
+    return UpstreamError(f"upstream request failed: {exc}")
+
+
+class _HttpxResponse:
+    """`UpstreamResponse` over an httpx streaming response, with the whole-call deadline."""
+
+    def __init__(self, response: httpx.Response, deadline: float, timeouts: httpx.Timeout) -> None:
+        self._response = response
+        self._deadline = deadline
+        self._timeouts = timeouts
+        self.status_code = response.status_code
+        self.headers: Mapping[str, str] = {k.lower(): v for k, v in response.headers.items()}
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        iterator = self._response.aiter_bytes()
+        while True:
+            try:
+                async with asyncio.timeout_at(self._deadline):
+                    chunk = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise UpstreamTimeout(
+                    "upstream call passed its whole-call deadline (--upstream-deadline)", phase="deadline"
+                ) from None
+            except httpx.HTTPError as exc:
+                raise _translate(exc, during="body", timeouts=self._timeouts) from None
+            if chunk:
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxUpstream:
+    """`UpstreamClient` on httpx: one pooled AsyncClient per process, explicit limits and timeouts.
+
+    ``connect_timeout``: seconds to open a connection. ``read_timeout``: seconds allowed for the
+    first byte and between any two reads. ``deadline``: seconds for the whole call, headers and
+    body. ``api_key``: sent as ``Authorization: Bearer`` (the operator's credential, never the
+    client's).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 600.0,
+        deadline: float = 1800.0,
+        max_connections: int = 100,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeouts = httpx.Timeout(
+            connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout
+        )
+        self._deadline = deadline
+        headers = {"content-type": "application/json", "user-agent": "loopwarden"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self._client = httpx.AsyncClient(
+            timeout=self._timeouts,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            headers=headers,
+            follow_redirects=False,
+            trust_env=False,
+        )
+
+    async def post(self, path: str, body: bytes, *, stream: bool) -> UpstreamResponse:
+        deadline = asyncio.get_running_loop().time() + self._deadline
+        request = self._client.build_request(
+            "POST",
+            self.base_url + path,
+            content=body,
+            headers={"accept": "text/event-stream" if stream else "application/json"},
+        )
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await self._client.send(request, stream=True)
+        except TimeoutError:
+            raise UpstreamTimeout(
+                "upstream call passed its whole-call deadline (--upstream-deadline)", phase="deadline"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise _translate(exc, during="headers", timeouts=self._timeouts) from None
+        return _HttpxResponse(response, deadline, self._timeouts)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,129 @@
+"""WHATWG SSE parsing: line ends, comments, meta-only blocks, and chunking independence.
+
+Cases B09 (CRLF / CR line ends), B10 (comments, retry/id-only blocks, empty data) and B11 (events
+split anywhere) of ../shared/cases/CASES.md, at the parser level; the end-to-end versions are in
+tests/test_limits_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from middleware.sse import SSEDecodeError, SSEEvent, SSEParser, encode_event
+
+
+def parse(chunks: list[bytes]) -> list[SSEEvent]:
+    parser = SSEParser()
+    out: list[SSEEvent] = []
+    for chunk in chunks:
+        out.extend(parser.feed(chunk))
+    return out
+
+
+def frame(t: str, obj: object, nl: str = "\n") -> bytes:
+    return f"event: {t}{nl}data: {json.dumps(obj, separators=(',', ':'))}{nl}{nl}".encode()
+
+
+REFERENCE = [
+    ("response.created", {"type": "response.created", "sequence_number": 0}),
+    ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "Hel"}),
+    ("response.output_text.delta", {"type": "response.output_text.delta", "delta": 'lo "x"\\'}),
+    ("response.completed", {"type": "response.completed", "sequence_number": 3}),
+]
+WANT = [SSEEvent(t, json.dumps(o, separators=(",", ":"))) for t, o in REFERENCE]
+
+
+@pytest.mark.parametrize("nl", ["\n", "\r\n", "\r"])
+def test_b09_line_endings_give_identical_events(nl: str) -> None:
+    stream = b"".join(frame(t, o, nl) for t, o in REFERENCE)
+    got = parse([stream])
+    assert got == WANT
+    assert all("\r" not in e.data and "\r" not in e.event for e in got)
+
+
+def test_b09_crlf_split_across_chunks_is_one_line_end() -> None:
+    stream = b"".join(frame(t, o, "\r\n") for t, o in REFERENCE)
+    cut = stream.index(b"}\r\n") + 2  # chunk ends in b'}\r', the next starts with b'\n\r\n'
+    assert stream[cut - 1 : cut] == b"\r"
+    parser = SSEParser()
+    first = parser.feed(stream[:cut])
+    assert first == []  # no premature dispatch: the event is not complete yet
+    rest = parser.feed(stream[cut:])
+    assert first + rest == WANT
+    assert parser.pending == 0  # the buffer is emptied after each event
+
+
+def test_b10_comments_and_meta_only_blocks_dispatch_nothing() -> None:
+    noise = [
+        b": OPENROUTER PROCESSING\n\n",
+        b":\n\n",
+        b": ping - 2025-01-01 00:00:00\n",
+        b"retry: 3000\n\n",
+        b"id: 7\n\n",
+        b"event: ping\n\n",
+        b"data:\n\n",
+    ]
+    frames = [frame(t, o) for t, o in REFERENCE]
+    chunks = [noise[0], frames[0], noise[1], noise[2], frames[1], noise[3], noise[4], noise[5], frames[2], noise[6]]
+    chunks.append(frames[3])
+    got = parse(chunks)
+    # `data:` alone carries an empty string: per the spec it dispatches an event with empty data.
+    non_empty = [e for e in got if e.data]
+    assert non_empty == WANT
+    assert all(not e.data.startswith(":") for e in got)
+
+
+def test_b11_every_split_offset_of_an_escaped_quote_event() -> None:
+    delta = {"type": "response.function_call_arguments.delta", "delta": 'Info" style="margin-top: 12px;"></dl'}
+    stream = frame("response.function_call_arguments.delta", delta)
+    want = parse([stream])
+    assert len(want) == 1
+    for cut in range(len(stream) + 1):
+        assert parse([stream[:cut], stream[cut:]]) == want, cut
+
+
+def test_b11_one_byte_per_chunk() -> None:
+    stream = b"".join(frame(t, o) for t, o in REFERENCE)
+    assert parse([stream[i : i + 1] for i in range(len(stream))]) == WANT
+
+
+def test_multiline_data_joins_with_newline() -> None:
+    assert parse([b"data: a\ndata: b\n\n"]) == [SSEEvent("message", "a\nb")]
+
+
+def test_multibyte_utf8_split_across_chunks() -> None:
+    stream = "data: {\"d\":\"😀é\"}\n\n".encode()
+    cut = stream.index("😀".encode()) + 2
+    assert parse([stream[:cut], stream[cut:]]) == [SSEEvent("message", '{"d":"😀é"}')]
+
+
+def test_invalid_utf8_raises() -> None:
+    with pytest.raises(SSEDecodeError):
+        parse([b"data: \xff\n\n"])
+
+
+def test_unterminated_block_is_not_dispatched() -> None:
+    parser = SSEParser()
+    assert parser.feed(b"data: {}\n") == []
+    assert parser.pending > 0
+
+
+def test_encode_event_round_trips_multiline() -> None:
+    assert parse([encode_event("x", "a\nb")]) == [SSEEvent("x", "a\nb")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nl=st.sampled_from(["\n", "\r\n", "\r"]),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=30),
+    noise=st.lists(st.sampled_from([b":\n\n", b": c\n", b"retry: 1\n\n", b"id: 2\n\n"]), max_size=4),
+)
+def test_any_chunking_yields_the_same_events(nl: str, cuts: list[int], noise: list[bytes]) -> None:
+    stream = b"".join(noise) + b"".join(frame(t, o, nl) for t, o in REFERENCE)
+    points = sorted({c % (len(stream) + 1) for c in cuts})
+    chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
+    assert parse(chunks) == WANT
