@@ -68,7 +68,18 @@ def test_b10_comments_and_meta_only_blocks_dispatch_nothing() -> None:
         b"data:\n\n",
     ]
     frames = [frame(t, o) for t, o in REFERENCE]
-    chunks = [noise[0], frames[0], noise[1], noise[2], frames[1], noise[3], noise[4], noise[5], frames[2], noise[6]]
+    chunks = [
+        noise[0],
+        frames[0],
+        noise[1],
+        noise[2],
+        frames[1],
+        noise[3],
+        noise[4],
+        noise[5],
+        frames[2],
+        noise[6],
+    ]
     chunks.append(frames[3])
     got = parse(chunks)
     # `data:` alone carries an empty string: per the spec it dispatches an event with empty data.
@@ -78,7 +89,10 @@ def test_b10_comments_and_meta_only_blocks_dispatch_nothing() -> None:
 
 
 def test_b11_every_split_offset_of_an_escaped_quote_event() -> None:
-    delta = {"type": "response.function_call_arguments.delta", "delta": 'Info" style="margin-top: 12px;"></dl'}
+    delta = {
+        "type": "response.function_call_arguments.delta",
+        "delta": 'Info" style="margin-top: 12px;"></dl',
+    }
     stream = frame("response.function_call_arguments.delta", delta)
     want = parse([stream])
     assert len(want) == 1
@@ -96,7 +110,7 @@ def test_multiline_data_joins_with_newline() -> None:
 
 
 def test_multibyte_utf8_split_across_chunks() -> None:
-    stream = "data: {\"d\":\"😀é\"}\n\n".encode()
+    stream = 'data: {"d":"😀é"}\n\n'.encode()
     cut = stream.index("😀".encode()) + 2
     assert parse([stream[:cut], stream[cut:]]) == [SSEEvent("message", '{"d":"😀é"}')]
 
