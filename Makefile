@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint types unit bench clean
+.PHONY: run test lint types unit bench clean prometheus
 
 $(STAMP): pyproject.toml
 	@echo "bootstrapping $(VENV) (first run installs the project and its test tools)..."
@@ -17,13 +17,17 @@ run: $(STAMP)
 	$(BIN)/loopwarden serve $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check budget middleware tests bench dashboards
+	$(BIN)/ruff check budget middleware tests bench dashboards scripts
 	$(BIN)/ruff format --check budget middleware tests bench dashboards
 
 types: $(STAMP)
 	$(BIN)/mypy
+	$(BIN)/mypy --strict dashboards
 
-unit: $(STAMP)
+prometheus:
+	bash scripts/ensure-prometheus.sh
+
+unit: $(STAMP) prometheus
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test: lint types unit

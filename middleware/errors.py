@@ -17,6 +17,8 @@ class GatewayError(Exception):
     ``status``: HTTP status before commit. ``code``: the §5 error code. ``param``: the request
     field at fault, or None. ``retryable``: False for deterministic failures (400, 408, 413, 508,
     budget 502s), which then carry ``x-should-retry: false`` so SDKs do not multiply their cost.
+    ``limit``: the ``loopwarden_cap_hits_total`` ``limit`` label when this failure is a cap hit.
+    ``close_connection``: answer with ``Connection: close`` (the body was not read).
     """
 
     def __init__(
@@ -27,8 +29,12 @@ class GatewayError(Exception):
         code: str,
         param: str | None = None,
         retryable: bool | None = None,
+        limit: str | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
+        self.limit = limit
+        self.close_connection = close_connection
         self.message = message
         self.status = status
         self.code = code

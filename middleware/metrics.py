@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter(
     "loopwarden_requests_total",
@@ -32,6 +32,97 @@ STREAM_ERRORS = Counter(
 INFLIGHT = Gauge("loopwarden_inflight_requests", "Requests being served now.")
 
 
+# Codes the gateway itself sends after commit (DESIGN.md §5); an upstream's own code is folded
+# into "upstream_error" so the label set stays bounded.
+STREAM_ERROR_CODES = frozenset(
+    {
+        "max_retained_bytes_exceeded",
+        "max_infer_iters_exceeded",
+        "upstream_timeout",
+        "request_deadline_exceeded",
+        "upstream_incomplete",
+        "upstream_invalid_response",
+        "upstream_auth_failed",
+        "upstream_error",
+        "server_shutting_down",
+        "internal_error",
+    }
+)
+
+
+def stream_error_label(code: str) -> str:
+    """The bounded ``code`` label of ``loopwarden_stream_errors_total`` for an error code."""
+    return code if code in STREAM_ERROR_CODES else "upstream_error"
+
+
 def model_label(model: object, configured: Collection[str] = ()) -> str:
     """The bounded ``model`` label: `model` if it is a configured name, else ``other``."""
     return model if isinstance(model, str) and model in configured else "other"
+
+
+CAP_HITS = Counter(
+    "loopwarden_cap_hits_total",
+    "Requests stopped or cut by a limit, by limit and outcome.",
+    ["limit", "outcome"],
+)
+# Powers of two from 4 KiB to 256 MiB (bytes).
+RETAINED_BYTES_BUCKETS = tuple(float(4096 * 2**i) for i in range(17))
+RETAINED_PEAK = Histogram(
+    "loopwarden_retained_bytes_peak",
+    "Peak retained bytes charged to one request's ledger.",
+    buckets=RETAINED_BYTES_BUCKETS,
+)
+UTILIZATION_BUCKETS = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+RETAINED_UTILIZATION = Histogram(
+    "loopwarden_retained_utilization_ratio",
+    "Peak retained bytes of a request divided by its max_retained_bytes limit.",
+    buckets=UTILIZATION_BUCKETS,
+)
+# Seconds, up to the 600 s read timeout; rounds 1..100 (the max_infer_iters range).
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+ROUNDS_BUCKETS = (
+    *(float(i) for i in range(1, 11)),
+    12.0,
+    15.0,
+    20.0,
+    25.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    80.0,
+    100.0,
+)
+TOOL_CALLS = Counter(
+    "loopwarden_tool_calls_total",
+    "Gateway-owned tool calls, by outcome (ok, error, timeout, refused, invalid_arguments, too_large).",
+    ["outcome"],
+)
+TOOL_DURATION = Histogram(
+    "loopwarden_tool_call_duration_seconds",
+    "Wall time of one gateway-owned tool call (seconds).",
+    buckets=LATENCY_BUCKETS,
+)
+INFERENCE_ROUNDS = Histogram(
+    "loopwarden_inference_rounds",
+    "Inference calls (rounds) one client request made.",
+    buckets=ROUNDS_BUCKETS,
+)

@@ -5,7 +5,8 @@ events completed by them. Line ends may be LF, CR or CRLF (a CRLF split across t
 line end); comment lines (``:``…), ``id:`` and ``retry:`` fields are ignored (the gateway emits
 neither); a block without ``data`` dispatches nothing; several ``data:`` lines join with ``\\n``.
 `pending` is the number of raw bytes held that belong to no completed event yet (what the ledger
-charges as retained stream bytes). Invalid UTF-8 in a field raises `SSEDecodeError`.
+charges as retained stream bytes). Data stays bytes (``json.loads`` validates its UTF-8); an event
+name that is not UTF-8 raises `SSEDecodeError`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ class SSEDecodeError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SSEEvent:
-    """One dispatched event: ``event`` (the type, "message" when absent), ``data`` (text)."""
+    """One dispatched event: ``event`` (its name, "message" when absent) and ``data`` (the raw
+    UTF-8 bytes of its data lines joined by ``\n``; validated as UTF-8 when it is decoded)."""
 
     event: str
-    data: str
+    data: bytes
 
 
 class SSEParser:
@@ -37,7 +39,7 @@ class SSEParser:
         self._buf = b""  # bytes of an unfinished line
         self._skip_lf = False  # last chunk ended in CR: a leading LF is that line end's second half
         self._event = ""
-        self._data: list[str] = []
+        self._data: list[bytes] = []
         self._data_bytes = 0
 
     @property
@@ -66,7 +68,7 @@ class SSEParser:
     def _line(self, line: bytes, events: list[SSEEvent], raw_len: int) -> None:
         if not line:
             if self._data:
-                events.append(SSEEvent(self._event or "message", "\n".join(self._data)))
+                events.append(SSEEvent(self._event or "message", b"\n".join(self._data)))
             self._event = ""
             self._data = []
             self._data_bytes = 0
@@ -76,15 +78,14 @@ class SSEParser:
         name, sep, value = line.partition(b":")
         if sep and value[:1] == b" ":
             value = value[1:]
-        try:
-            text = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise SSEDecodeError(f"upstream SSE line is not valid UTF-8: {line[:80]!r}") from None
         if name == b"data":
-            self._data.append(text)
+            self._data.append(value)
             self._data_bytes += raw_len
         elif name == b"event":
-            self._event = text
+            try:
+                self._event = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise SSEDecodeError(f"upstream SSE event name is not valid UTF-8: {line[:80]!r}") from None
         # id, retry and unknown fields are ignored: the gateway never re-emits them.
 
     def finish(self) -> None:
@@ -95,13 +96,12 @@ class SSEParser:
         self._data_bytes = 0
 
 
-def encode_event(event: str, data: str) -> bytes:
+def encode_event(event: str, data: bytes) -> bytes:
     """One frame, ``event: <event>\\ndata: <data>\\n\\n``; multi-line data gets one ``data:`` per line."""
-    if "\n" in data or "\r" in data:
-        lines = data.splitlines()
-        body = "".join(f"data: {line}\n" for line in lines)
-        return f"event: {event}\n{body}\n".encode()
-    return f"event: {event}\ndata: {data}\n\n".encode()
+    head = b"event: " + event.encode() + b"\n"
+    if b"\n" in data or b"\r" in data:
+        return head + b"".join(b"data: " + line + b"\n" for line in data.splitlines()) + b"\n"
+    return head + b"data: " + data + b"\n\n"
 
 
 KEEPALIVE = b": keep-alive\n\n"

@@ -11,10 +11,13 @@ outcome authority can map them to DESIGN.md §5 (timeouts -> 504 ``upstream_time
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 import httpx
+
+from middleware.errors import GatewayError
 
 # Never copied from upstream to client (hop-by-hop and framing headers; RFC 9110 §7.6.1).
 HOP_BY_HOP = frozenset(
@@ -212,3 +215,39 @@ class HttpxUpstream:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def upstream_status_error(status: int, body: bytes) -> GatewayError:
+    """Normalise an upstream HTTP error answer into the §5 outcome (status, code, message)."""
+    message, code, param = f"upstream answered HTTP {status}", None, None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+        text = body[:500].decode("utf-8", "replace").strip()
+        if text:
+            message = f"{message}: {text}"
+    if isinstance(parsed, dict):
+        err = parsed.get("error", parsed)
+        if isinstance(err, dict):
+            if isinstance(err.get("message"), str):
+                message = err["message"]
+            raw_code = err.get("code") or err.get("type")
+            code = raw_code if isinstance(raw_code, str) else None
+            param = err.get("param") if isinstance(err.get("param"), str) else None
+        elif isinstance(err, str):
+            message = err
+    if status in (401, 403):
+        return GatewayError(
+            f"the upstream refused the gateway's credentials (HTTP {status}): {message}; "
+            "check --upstream-api-key",
+            status=502,
+            code="upstream_auth_failed",
+        )
+    if status >= 500:
+        return GatewayError(message, status=502, code=code or "upstream_error")
+    if status in (400, 404, 409, 422, 429):
+        return GatewayError(
+            message, status=status, code=code or "upstream_error", param=param, retryable=status in (409, 429)
+        )
+    return GatewayError(message, status=502, code=code or "upstream_error")

@@ -34,7 +34,7 @@ REFERENCE = [
     ("response.output_text.delta", {"type": "response.output_text.delta", "delta": 'lo "x"\\'}),
     ("response.completed", {"type": "response.completed", "sequence_number": 3}),
 ]
-WANT = [SSEEvent(t, json.dumps(o, separators=(",", ":"))) for t, o in REFERENCE]
+WANT = [SSEEvent(t, json.dumps(o, separators=(",", ":")).encode()) for t, o in REFERENCE]
 
 
 @pytest.mark.parametrize("nl", ["\n", "\r\n", "\r"])
@@ -42,7 +42,7 @@ def test_b09_line_endings_give_identical_events(nl: str) -> None:
     stream = b"".join(frame(t, o, nl) for t, o in REFERENCE)
     got = parse([stream])
     assert got == WANT
-    assert all("\r" not in e.data and "\r" not in e.event for e in got)
+    assert all(b"\r" not in e.data and "\r" not in e.event for e in got)
 
 
 def test_b09_crlf_split_across_chunks_is_one_line_end() -> None:
@@ -85,7 +85,7 @@ def test_b10_comments_and_meta_only_blocks_dispatch_nothing() -> None:
     # `data:` alone carries an empty string: per the spec it dispatches an event with empty data.
     non_empty = [e for e in got if e.data]
     assert non_empty == WANT
-    assert all(not e.data.startswith(":") for e in got)
+    assert all(not e.data.startswith(b":") for e in got)
 
 
 def test_b11_every_split_offset_of_an_escaped_quote_event() -> None:
@@ -106,18 +106,18 @@ def test_b11_one_byte_per_chunk() -> None:
 
 
 def test_multiline_data_joins_with_newline() -> None:
-    assert parse([b"data: a\ndata: b\n\n"]) == [SSEEvent("message", "a\nb")]
+    assert parse([b"data: a\ndata: b\n\n"]) == [SSEEvent("message", b"a\nb")]
 
 
 def test_multibyte_utf8_split_across_chunks() -> None:
     stream = 'data: {"d":"😀é"}\n\n'.encode()
     cut = stream.index("😀".encode()) + 2
-    assert parse([stream[:cut], stream[cut:]]) == [SSEEvent("message", '{"d":"😀é"}')]
+    assert parse([stream[:cut], stream[cut:]]) == [SSEEvent("message", '{"d":"😀é"}'.encode())]
 
 
-def test_invalid_utf8_raises() -> None:
+def test_invalid_utf8_event_name_raises() -> None:
     with pytest.raises(SSEDecodeError):
-        parse([b"data: \xff\n\n"])
+        parse([b"event: \xff\ndata: {}\n\n"])
 
 
 def test_unterminated_block_is_not_dispatched() -> None:
@@ -127,7 +127,7 @@ def test_unterminated_block_is_not_dispatched() -> None:
 
 
 def test_encode_event_round_trips_multiline() -> None:
-    assert parse([encode_event("x", "a\nb")]) == [SSEEvent("x", "a\nb")]
+    assert parse([encode_event("x", b"a\nb")]) == [SSEEvent("x", b"a\nb")]
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,380 @@
+"""`BudgetMiddleware`: admission of the client body and the single outcome authority.
+
+Pure ASGI (DESIGN.md §2, STYLE.md). For each ``POST /v1/responses`` it
+
+1. computes the request's effective `Limits` (server settings and the client's lowering headers
+   ``loopwarden-max-retained-bytes`` / ``loopwarden-max-infer-iters``; the smallest wins);
+2. enforces the raw body clamp ``max_retained_bytes // 32`` from ``Content-Length`` before reading
+   (413 ``request_too_large`` with ``Connection: close``) and while reading; a body not received
+   within ``client_body_timeout`` seconds is a 408;
+3. counts JSON nodes in the same pass as it reads (depth over 128 is a 400 ``json_too_deep`` at
+   once), charges the body with ``Ledger.admit_input`` (413 ``max_retained_bytes_exceeded``), then
+   parses it strictly (400 ``invalid_json`` / ``duplicate_key`` / ``invalid_unicode`` /
+   ``invalid_number``) and checks the fields (400 naming the field) — DESIGN.md §3 order;
+4. lowers the ledger to a per-model limit when one is configured (413 if what is charged no longer
+   fits);
+5. runs the inner app with a `RequestContext` in ``scope["loopwarden"]``, cancels it when the client
+   disconnects, and turns whatever it raises into exactly one answer (DESIGN.md §5): a JSON error
+   before the response is committed, one SSE ``error`` frame after.
+
+Every outcome is counted (``loopwarden_requests_total``, ``loopwarden_cap_hits_total``,
+``loopwarden_stream_errors_total``, ``loopwarden_upstream_errors_total``,
+``loopwarden_client_disconnects_total``, retained-bytes peak and utilization histograms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from budget import BudgetExceeded, JsonInvalid, JsonNodeCounter, JsonTooDeep, Ledger, Limits, loads_strict
+from middleware import metrics
+from middleware.context import RequestContext
+from middleware.errors import GatewayError, InvalidRequest, envelope_bytes, error_headers, sse_error_frame
+from middleware.upstream import UpstreamError
+from middleware.validate import validate_request
+
+log = logging.getLogger("loopwarden")
+
+MAX_JSON_DEPTH = 128
+LIMIT_HEADERS = {
+    b"loopwarden-max-retained-bytes": "max_retained_bytes",
+    b"loopwarden-max-infer-iters": "max_infer_iters",
+}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1048576:.2f} MiB" if n >= 1048576 else f"{n} bytes"
+
+
+class _Answered(Exception):
+    """Raised inside admission once an error answer has been decided (carries it)."""
+
+    def __init__(self, error: GatewayError) -> None:
+        self.error = error
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the body was complete."""
+
+
+class BudgetMiddleware:
+    """Wraps the Responses app; see the module docstring for what it enforces.
+
+    ``limits``: the server-wide `Limits`. ``model_limits``: per-model `Limits` (model name ->
+    limits) from the config file. ``client_body_timeout``: seconds to receive the whole body.
+    ``configured_models``: names allowed as the ``model`` metric label (others are ``other``).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        limits: Limits,
+        client_body_timeout: float = 30.0,
+        model_limits: Mapping[str, Limits] | None = None,
+        configured_models: frozenset[str] = frozenset(),
+    ) -> None:
+        self.app = app
+        self.limits = limits
+        self.client_body_timeout = client_body_timeout
+        self.model_limits = dict(model_limits or {})
+        self.configured_models = configured_models | frozenset(self.model_limits)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await _Guard(self, scope, receive, send).run()
+
+
+class _Guard:
+    """Per-request responder of `BudgetMiddleware`."""
+
+    def __init__(self, mw: BudgetMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
+        self.mw = mw
+        self.scope = scope
+        self.receive = receive
+        self._send = send
+        self.status = 0
+        self.started = False
+        self.finished = False
+        self.ctx: RequestContext | None = None
+        self.ledger: Ledger | None = None
+        self.model_label = "other"
+
+    async def send(self, message: Message) -> None:
+        if self.finished:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.status = message["status"]
+            if self.ctx is not None:
+                self.ctx.committed = True
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+        await self._send(message)
+
+    async def run(self) -> None:
+        metrics.INFLIGHT.inc()
+        try:
+            try:
+                ctx = await self._admit()
+            except _Answered as answered:
+                await self._answer_error(answered.error)
+                return
+            except _ClientGone:
+                metrics.CLIENT_DISCONNECTS.inc()
+                self.status = 499
+                return
+            self.ctx = ctx
+            self.ledger = ctx.ledger
+            await self._run_inner(ctx)
+        finally:
+            metrics.INFLIGHT.dec()
+            metrics.REQUESTS.labels(status=str(self.status or 499), model=self.model_label).inc()
+            if self.ledger is not None:
+                metrics.RETAINED_PEAK.observe(self.ledger.peak)
+                metrics.RETAINED_UTILIZATION.observe(self.ledger.peak / self.ledger.limit)
+
+    # -- admission --------------------------------------------------------------------------
+    def _effective_limits(self) -> Limits:
+        lowered: dict[str, int] = {}
+        for name, value in self.scope.get("headers", []):
+            field = LIMIT_HEADERS.get(name.lower())
+            if field is None:
+                continue
+            header = name.decode("latin-1").lower()
+            try:
+                number = int(value)
+                Limits(**{**vars_of(self.mw.limits), field: number})
+            except ValueError:
+                low, high = (4096, 268435456) if field == "max_retained_bytes" else (1, 100)
+                raise _Answered(
+                    InvalidRequest(
+                        f"header {header} must be an integer in {low}..={high}, got {value.decode('latin-1')!r}",
+                        code="invalid_header",
+                        param=header,
+                    )
+                ) from None
+            lowered[field] = number
+        if not lowered:
+            return self.mw.limits
+        return Limits.smallest(self.mw.limits, Limits(**{**vars_of(self.mw.limits), **lowered}))
+
+    async def _admit(self) -> RequestContext:
+        limits = self._effective_limits()
+        clamp = limits.max_retained_bytes // 32
+        declared = None
+        for name, value in self.scope.get("headers", []):
+            if name.lower() == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    raise _Answered(
+                        InvalidRequest("Content-Length is not an integer", code="invalid_request")
+                    ) from None
+        if declared is not None and declared > clamp:
+            raise _Answered(_too_large(declared, clamp, limits, declared=True))
+        counter = JsonNodeCounter(max_depth=MAX_JSON_DEPTH)
+        try:
+            async with asyncio.timeout(self.mw.client_body_timeout):
+                raw = await self._read_body(clamp, limits, counter)
+        except TimeoutError:
+            raise _Answered(
+                GatewayError(
+                    f"the request body was not received within {self.mw.client_body_timeout:g} s "
+                    "(--client-body-timeout); send the whole body promptly",
+                    status=408,
+                    code="request_timeout",
+                    retryable=False,
+                    limit="client_body_timeout",
+                )
+            ) from None
+        # Store is on unless the client says "store": false. The body is admitted as if it were on
+        # (the larger charge) before it is parsed, and re-admitted at the single rate once known.
+        nodes = counter.nodes
+        ledger = Ledger(limits.max_retained_bytes, store=True)
+        try:
+            ledger.admit_input(raw, nodes=nodes)
+        except BudgetExceeded as exc:
+            raise _Answered(_budget_error(exc, status=413)) from None
+        try:
+            request = loads_strict(raw)
+        except JsonInvalid as exc:
+            raise _Answered(InvalidRequest(exc.message, code=exc.code, param=exc.param)) from None
+        if not isinstance(request, dict):
+            raise _Answered(
+                InvalidRequest(
+                    f"request body must be a JSON object, got {type(request).__name__}",
+                    code="invalid_request",
+                )
+            )
+        self.model_label = metrics.model_label(request.get("model"), self.mw.configured_models)
+        try:
+            validate_request(request)
+        except GatewayError as error:
+            raise _Answered(error) from None
+        store = request.get("store") is not False
+        if not store:
+            ledger = Ledger(limits.max_retained_bytes, store=False)
+            ledger.admit_input(raw, nodes=nodes)
+        model_limits = self.mw.model_limits.get(request["model"])
+        if model_limits is not None:
+            limits = Limits.smallest(limits, model_limits)
+            try:
+                ledger.lower_limit(limits.max_retained_bytes)
+            except BudgetExceeded as exc:
+                raise _Answered(_budget_error(exc, status=413)) from None
+        return RequestContext(
+            ledger=ledger,
+            limits=limits,
+            raw=raw,
+            request=request,
+            stream=request.get("stream") is True,
+            store=store,
+            model_label=self.model_label,
+        )
+
+    async def _read_body(self, clamp: int, limits: Limits, counter: JsonNodeCounter) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > clamp:
+                    raise _Answered(_too_large(size, clamp, limits, declared=False))
+                try:
+                    counter.feed(chunk)
+                except JsonTooDeep as exc:
+                    raise _Answered(InvalidRequest(str(exc), code="json_too_deep")) from None
+                parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    # -- running the inner app ----------------------------------------------------------------
+    async def _run_inner(self, ctx: RequestContext) -> None:
+        scope = {**self.scope, "loopwarden": ctx}
+        work = asyncio.ensure_future(self._inner_with_outcome(scope))
+        watcher = asyncio.ensure_future(self._watch_disconnect())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone = not work.done()
+            if gone:
+                work.cancel()
+            watcher.cancel()
+            for task in (work, watcher):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if gone:
+                metrics.CLIENT_DISCONNECTS.inc()
+                if ctx.stored_status is None:
+                    ctx.stored_status = "cancelled"
+                if not self.started:
+                    self.status = 499
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def _inner_with_outcome(self, scope: Scope) -> None:
+        try:
+            await self.mw.app(scope, self._no_receive, self.send)
+        except GatewayError as error:
+            await self._answer_error(error)
+        except BudgetExceeded as exc:
+            await self._answer_error(_budget_error(exc, status=502))
+        except UpstreamError as exc:
+            metrics.UPSTREAM_ERRORS.labels(kind=exc.kind).inc()
+            await self._answer_error(
+                GatewayError(exc.message, status=504 if exc.kind == "timeout" else 502, code=exc.code)
+            )
+        except Exception:
+            log.exception("internal error while serving a request")
+            await self._answer_error(
+                GatewayError(
+                    "the gateway failed while serving this request", status=500, code="internal_error"
+                )
+            )
+
+    async def _no_receive(self) -> Message:
+        # The body has been consumed; the middleware alone watches for http.disconnect.
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _answer_error(self, error: GatewayError) -> None:
+        """Exactly one answer for `error`: JSON before commit, one SSE error frame after."""
+        if self.finished:
+            return
+        if self.ctx is not None and self.ctx.stored_status is None:
+            self.ctx.stored_status = "failed"
+        if not self.started:
+            outcome = str(error.status)
+            body = envelope_bytes(error)
+            extra = [(b"content-length", str(len(body)).encode())]
+            if error.close_connection:
+                extra.append((b"connection", b"close"))
+            await self.send(
+                {
+                    "type": "http.response.start",
+                    "status": error.status,
+                    "headers": error_headers(error, extra=extra),
+                }
+            )
+            await self.send({"type": "http.response.body", "body": body})
+        else:
+            outcome = "sse_error"
+            sequence = self.ctx.next_sequence if self.ctx is not None else 0
+            metrics.STREAM_ERRORS.labels(code=metrics.stream_error_label(error.code)).inc()
+            await self.send(
+                {"type": "http.response.body", "body": sse_error_frame(error, sequence), "more_body": False}
+            )
+        if error.limit is not None:
+            metrics.CAP_HITS.labels(limit=error.limit, outcome=outcome).inc()
+
+
+def vars_of(limits: Limits) -> dict[str, int]:
+    """`Limits` as keyword arguments."""
+    return {"max_infer_iters": limits.max_infer_iters, "max_retained_bytes": limits.max_retained_bytes}
+
+
+def _too_large(size: int, clamp: int, limits: Limits, *, declared: bool) -> GatewayError:
+    how = "declares" if declared else "is at least"
+    return GatewayError(
+        f"request body {how} {_mib(size)}, over the {_mib(clamp)} clamp (max_retained_bytes // 32 with "
+        f"max_retained_bytes={limits.max_retained_bytes}); send less, or raise max_retained_bytes",
+        status=413,
+        code="request_too_large",
+        retryable=False,
+        limit="request_body",
+        close_connection=True,
+    )
+
+
+def _budget_error(exc: BudgetExceeded, *, status: int) -> GatewayError:
+    return GatewayError(
+        str(exc),
+        status=status,
+        code="max_retained_bytes_exceeded",
+        retryable=False,
+        limit="max_retained_bytes",
+    )
+
+
+def context_of(scope: Scope) -> RequestContext:
+    """The `RequestContext` the middleware put in `scope`; KeyError when there is none."""
+    ctx: Any = scope["loopwarden"]
+    assert isinstance(ctx, RequestContext)
+    return ctx

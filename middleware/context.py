@@ -1,0 +1,36 @@
+"""Per-request state shared by the budget middleware and the loop controller.
+
+One `RequestContext` per client request, created by `BudgetMiddleware` after the body has been
+admitted and parsed, and handed to the inner app in ``scope["loopwarden"]``. The middleware reads
+``committed`` and ``next_sequence`` to decide between a JSON error and one SSE error frame.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from budget import Ledger, Limits
+
+
+@dataclasses.dataclass(eq=False)
+class RequestContext:
+    """What one request carries through its rounds.
+
+    ``raw``: the client body (bytes, as admitted). ``request``: the parsed JSON object.
+    ``stream``: the client asked for SSE. ``store``: the request's ``store`` (default true).
+    ``next_sequence``: the ``sequence_number`` the next SSE event to the client will carry.
+    ``committed``: the response headers have been sent. ``rounds``: inference calls made so far.
+    """
+
+    ledger: Ledger
+    limits: Limits
+    raw: bytes
+    request: dict[str, Any]
+    stream: bool
+    store: bool
+    model_label: str = "other"
+    next_sequence: int = 0
+    committed: bool = False
+    rounds: int = 0
+    stored_status: str | None = None

@@ -1,0 +1,174 @@
+"""The Responses app behind `BudgetMiddleware`: one client request, its upstream rounds, one answer.
+
+It reads the `RequestContext` the middleware admitted, calls the upstream (mirroring the client's
+``stream`` flag; an SSE answer to a buffered call is aggregated), charges everything it keeps to
+the request's ledger (`middleware.stream`), and either forwards the stream to the client or
+answers the final response as JSON. It never answers an error itself: it raises, and the
+middleware — the single outcome authority — answers (DESIGN.md §2, §5).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from middleware import metrics
+from middleware.budget_mw import context_of
+from middleware.context import RequestContext
+from middleware.errors import GatewayError
+from middleware.sse import KEEPALIVE, encode_event
+from middleware.state import GatewayState
+from middleware.stream import (
+    TERMINAL_EVENTS,
+    StreamAccumulator,
+    UpstreamEvent,
+    invalid,
+    read_buffered_body,
+    read_stream_events,
+)
+from middleware.upstream import UpstreamResponse, upstream_status_error
+
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body read to build the envelope
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+def upstream_error_event(obj: dict[str, Any]) -> GatewayError:
+    """An in-band upstream ``error`` event as the §5 outcome (its code and message kept).
+
+    Accepts the flat ``ResponseErrorEvent`` shape and the nested ``{"error": {...}}`` one.
+    """
+    metrics.UPSTREAM_ERRORS.labels(kind="stream_error").inc()
+    raw_nested = obj.get("error")
+    nested: dict[str, Any] = raw_nested if isinstance(raw_nested, dict) else {}
+    message = obj.get("message") or nested.get("message") or "upstream reported an error"
+    code = obj.get("code") or nested.get("code") or nested.get("type") or "upstream_error"
+    return GatewayError(str(message), status=502, code=str(code))
+
+
+class ResponsesApp:
+    """Pure ASGI app for ``POST /v1/responses`` (needs `BudgetMiddleware` around it)."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _Exchange(self.state, context_of(scope), send).run()
+
+
+class _Exchange:
+    """One client request's rounds (one round until the agentic loop lands)."""
+
+    def __init__(self, state: GatewayState, ctx: RequestContext, send: Send) -> None:
+        self.state = state
+        self.ctx = ctx
+        self.send = send
+
+    async def run(self) -> None:
+        upstream = self.state.upstream
+        assert upstream is not None, "the lifespan creates the upstream client"
+        self.ctx.rounds += 1
+        response = await upstream.post("/responses", self.ctx.raw, stream=self.ctx.stream)
+        try:
+            if response.status_code >= 400:
+                raise upstream_status_error(response.status_code, await _read_limited(response))
+            is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+            if self.ctx.stream and is_sse:
+                await self._forward_stream(response)
+            elif is_sse:
+                final = await self._aggregate_stream(response)
+                await self._answer_json(json.dumps(final, separators=(",", ":")).encode())
+            else:
+                await self._answer_buffered(response)
+        finally:
+            await response.aclose()
+
+    # -- buffered ------------------------------------------------------------------------------
+    async def _answer_buffered(self, response: UpstreamResponse) -> None:
+        body, charge = await read_buffered_body(response, self.ctx.ledger)
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            raise invalid("upstream answered with a body that is not JSON") from None
+        if not isinstance(parsed, dict):
+            raise invalid("upstream answered with JSON that is not a response object")
+        output = parsed.get("output")
+        kept = json.dumps(output if isinstance(output, list) else [], separators=(",", ":")).encode()
+        self.ctx.ledger.admit_accumulated(kept)
+        self.ctx.ledger.release(charge)
+        await self._answer_json(body)
+
+    async def _answer_json(self, raw: bytes) -> None:
+        self.ctx.ledger.admit_terminal(raw)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self.send({"type": "http.response.body", "body": raw})
+
+    # -- streamed ------------------------------------------------------------------------------
+    async def _keepalive(self) -> None:
+        if self.ctx.committed:
+            await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+
+    def _events(self, response: UpstreamResponse) -> Any:
+        return read_stream_events(
+            response,
+            self.ctx.ledger,
+            keepalive=self._keepalive,
+            keepalive_interval=self.state.settings.keepalive_interval,
+        )
+
+    async def _aggregate_stream(self, response: UpstreamResponse) -> dict[str, Any]:
+        acc = StreamAccumulator(self.ctx.ledger)
+        async for event in self._events(response):
+            if event.type == "error":
+                raise upstream_error_event(event.obj)
+            acc.apply(event)
+            if event.type in TERMINAL_EVENTS:
+                break
+        if acc.terminal is None:
+            raise GatewayError(
+                "upstream stream ended without a terminal event", status=502, code="upstream_incomplete"
+            )
+        final = dict(acc.terminal)
+        final["output"] = acc.output()
+        return final
+
+    async def _emit(self, event: UpstreamEvent) -> None:
+        """Forward one event with the next client sequence number (re-encoded only if it differs)."""
+        data = event.data
+        if event.obj.get("sequence_number") != self.ctx.next_sequence:
+            event.obj["sequence_number"] = self.ctx.next_sequence
+            data = json.dumps(event.obj, separators=(",", ":")).encode()
+        self.ctx.next_sequence += 1
+        await self.send(
+            {"type": "http.response.body", "body": encode_event(event.type, data), "more_body": True}
+        )
+
+    async def _forward_stream(self, response: UpstreamResponse) -> None:
+        acc = StreamAccumulator(self.ctx.ledger)
+        async for event in self._events(response):
+            if event.type == "error":
+                raise upstream_error_event(event.obj)
+            acc.apply(event)
+            if not self.ctx.committed:
+                await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            await self._emit(event)
+            if event.type in TERMINAL_EVENTS:
+                self.ctx.stored_status = (acc.terminal or {}).get("status") or "completed"
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+        raise GatewayError(
+            "upstream stream ended without a terminal event", status=502, code="upstream_incomplete"
+        )
+
+
+async def _read_limited(response: UpstreamResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.chunks():
+        parts.append(chunk[: limit - size])
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)

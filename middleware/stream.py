@@ -1,0 +1,210 @@
+"""Reading one upstream round under the ledger: SSE streams and buffered JSON bodies.
+
+`read_stream_events` feeds the upstream body to the SSE parser in slices of at most 4 KiB, charging
+the parser's buffer (``admit_stream_chunk`` / ``release_stream_bytes``) and each complete frame's
+parse (``check_stream_frame``, transient) before ``json.loads`` runs, and yields `UpstreamEvent`s.
+`StreamAccumulator` keeps what a round needs once its stream is over — delta text until its item
+is done, finished items, the terminal response — each charged with ``admit_accumulated`` and a
+replaced snapshot released only after its replacement was admitted (DESIGN.md §4).
+`read_buffered_body` reads a JSON body under ``admit_output`` with the ``max_retained_bytes // 8``
+clamp (DESIGN.md §3). Failures raise `GatewayError` / `UpstreamError` / `BudgetExceeded`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from budget import JsonNodeCounter, JsonTooDeep, Ledger
+from middleware.errors import GatewayError
+from middleware.sse import SSEDecodeError, SSEParser
+from middleware.upstream import UpstreamResponse
+
+SLICE = 4096  # bytes fed to the SSE parser at a time, so charges do not depend on socket reads
+MAX_UPSTREAM_DEPTH = 256  # JSON nesting accepted from the upstream (json.loads recurses per level)
+TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+@dataclasses.dataclass(slots=True)
+class UpstreamEvent:
+    """One parsed upstream SSE event: ``type`` (from the JSON, else the event name), the raw
+    ``data`` bytes as received, and the parsed ``obj``."""
+
+    type: str
+    data: bytes
+    obj: dict[str, Any]
+
+
+def incomplete(message: str) -> GatewayError:
+    """502 ``upstream_incomplete`` (DESIGN.md §5)."""
+    return GatewayError(message, status=502, code="upstream_incomplete")
+
+
+def invalid(message: str) -> GatewayError:
+    """502 ``upstream_invalid_response`` (DESIGN.md §5)."""
+    return GatewayError(message, status=502, code="upstream_invalid_response")
+
+
+async def read_stream_events(
+    response: UpstreamResponse,
+    ledger: Ledger,
+    *,
+    keepalive: Callable[[], Awaitable[None]] | None = None,
+    keepalive_interval: float = 15.0,
+) -> AsyncIterator[UpstreamEvent]:
+    """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
+
+    ``keepalive`` (when given) is awaited every ``keepalive_interval`` seconds while no upstream
+    bytes arrive. Comments, ``retry:``/``id:``-only blocks, empty data and ``[DONE]`` yield nothing.
+    Raises 502 ``upstream_invalid_response`` for a frame that is not a JSON object, 502
+    ``upstream_incomplete`` for bad encoding, `BudgetExceeded` when the ledger trips.
+    """
+    parser = SSEParser()
+    chunks = response.chunks()
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            pending = asyncio.ensure_future(anext(chunks))
+            while keepalive is not None:
+                done, _ = await asyncio.wait({pending}, timeout=keepalive_interval)
+                if done:
+                    break
+                await keepalive()
+            try:
+                chunk = await pending
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            for offset in range(0, len(chunk), SLICE):
+                piece = chunk[offset : offset + SLICE]
+                before = parser.pending
+                ledger.admit_stream_chunk(piece)
+                try:
+                    events = parser.feed(piece)
+                except SSEDecodeError as exc:
+                    raise incomplete(str(exc)) from None
+                ledger.release_stream_bytes(before + len(piece) - parser.pending)
+                for event in events:
+                    data = event.data
+                    if not data.strip() or data == b"[DONE]":
+                        continue
+                    ledger.check_stream_frame(data)
+                    try:
+                        obj = json.loads(data)
+                    except UnicodeDecodeError:
+                        raise incomplete("upstream SSE data is not valid UTF-8") from None
+                    except (ValueError, RecursionError):
+                        raise invalid(f"upstream SSE data is not JSON: {data[:80]!r}") from None
+                    if not isinstance(obj, dict):
+                        raise invalid("upstream SSE data is not a JSON object")
+                    kind = obj.get("type")
+                    yield UpstreamEvent(kind if isinstance(kind, str) else event.event, data, obj)
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        with contextlib.suppress(Exception):
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+
+class StreamAccumulator:
+    """What one streamed round keeps, charged to the ledger (DESIGN.md §4 "streaming" rows).
+
+    ``items``: finished output items by ``output_index``; ``terminal``: the terminal response
+    object (or None). Delta text is kept per item until the item is done (a fallback when an
+    upstream never sends the item); its charge is released when the finished item is admitted.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.items: dict[int, dict[str, Any]] = {}
+        self.terminal: dict[str, Any] | None = None
+        self.terminal_type: str | None = None
+        self._item_charges: dict[int, int] = {}
+        self._delta_charges: dict[int, int] = {}
+        self._deltas: dict[int, list[str]] = {}
+        self._terminal_charge = 0
+
+    def apply(self, event: UpstreamEvent) -> None:
+        """Account for one event; raises `BudgetExceeded` when what it keeps does not fit."""
+        kind, obj = event.type, event.obj
+        index = obj.get("output_index")
+        if kind.endswith(".delta") and isinstance(obj.get("delta"), str) and isinstance(index, int):
+            text = obj["delta"]
+            charge = self.ledger.admit_accumulated(text.encode(), nodes=0)
+            self._delta_charges[index] = self._delta_charges.get(index, 0) + charge
+            self._deltas.setdefault(index, []).append(text)
+        elif (
+            kind == "response.output_item.done"
+            and isinstance(obj.get("item"), dict)
+            and isinstance(index, int)
+        ):
+            item_json = json.dumps(obj["item"], separators=(",", ":")).encode()
+            charge = self.ledger.admit_accumulated(item_json)
+            self.ledger.release(self._delta_charges.pop(index, 0) + self._item_charges.pop(index, 0))
+            self._deltas.pop(index, None)
+            self._item_charges[index] = charge
+            self.items[index] = obj["item"]
+        elif kind in TERMINAL_EVENTS and isinstance(obj.get("response"), dict):
+            self._terminal_charge = self.ledger.admit_accumulated(event.data)
+            self.terminal = obj["response"]
+            self.terminal_type = kind
+
+    def output(self) -> list[dict[str, Any]]:
+        """The round's output items: the terminal response's ``output`` when it carries one,
+        else the finished items in ``output_index`` order."""
+        if self.terminal is not None and isinstance(self.terminal.get("output"), list):
+            return [item for item in self.terminal["output"] if isinstance(item, dict)]
+        return [self.items[i] for i in sorted(self.items)]
+
+    def release_all(self) -> None:
+        """Give back every charge this accumulator holds (the round's state is no longer kept)."""
+        total = sum(self._item_charges.values()) + sum(self._delta_charges.values()) + self._terminal_charge
+        self.ledger.release(total)
+        self._item_charges.clear()
+        self._delta_charges.clear()
+        self._terminal_charge = 0
+
+
+async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tuple[bytes, int]:
+    """Read a buffered (JSON) upstream body under the ledger; return ``(body, charge)``.
+
+    A ``Content-Length`` over ``ledger.limit // 8`` is refused without reading (502
+    ``upstream_response_too_large``); otherwise each chunk is charged with ``admit_output`` as it
+    arrives (the ledger trips long before the clamp; `BudgetExceeded`). The caller releases
+    ``charge`` once the round's kept items are charged.
+    """
+    clamp = ledger.limit // 8
+    declared = response.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > clamp:
+        raise GatewayError(
+            f"upstream response declares {int(declared)} bytes, over the {clamp}-byte clamp "
+            f"(max_retained_bytes // 8); raise max_retained_bytes or ask the model for less",
+            status=502,
+            code="upstream_response_too_large",
+            retryable=False,
+            limit="upstream_body",
+        )
+    counter = JsonNodeCounter(max_depth=MAX_UPSTREAM_DEPTH)
+    parts: list[bytes] = []
+    charge = 0
+    nodes = 0
+    try:
+        async for chunk in response.chunks():
+            try:
+                total = counter.feed(chunk)
+            except JsonTooDeep:
+                raise invalid(f"upstream JSON nests deeper than {MAX_UPSTREAM_DEPTH} levels") from None
+            charge += ledger.admit_output(chunk, nodes=total - nodes)
+            nodes = total
+            parts.append(chunk)
+    except BaseException:
+        ledger.release(charge)
+        raise
+    return b"".join(parts), charge

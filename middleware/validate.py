@@ -1,0 +1,77 @@
+"""Field checks of a parsed create request, before anything goes upstream (DESIGN.md §5 last row).
+
+`validate_request(request)` raises `InvalidRequest` (400) whose ``param`` names the field and
+whose message says what to change. It checks only what the gateway relies on or what an upstream
+would otherwise answer with a 500: types of the fields it reads, and finite, in-range numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from middleware.errors import InvalidRequest
+
+# field -> (minimum, maximum, integer?) for numeric request fields (OpenAI Responses API ranges).
+NUMERIC_FIELDS: dict[str, tuple[float, float, bool]] = {
+    "max_output_tokens": (1, 2**31 - 1, True),
+    "max_tool_calls": (0, 2**31 - 1, True),
+    "temperature": (0.0, 2.0, False),
+    "top_p": (0.0, 1.0, False),
+    "top_logprobs": (0, 20, True),
+}
+
+
+def _check_number(name: str, value: Any) -> None:
+    low, high, integer = NUMERIC_FIELDS[name]
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(
+            f"{name} must be a number, got {type(value).__name__}", code="invalid_type", param=name
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(
+            f"{name} must be a finite number, got {value}", code="invalid_number", param=name
+        )
+    if integer and not (isinstance(value, int) or value.is_integer()):
+        raise InvalidRequest(f"{name} must be an integer, got {value}", code="invalid_type", param=name)
+    if not low <= value <= high:
+        raise InvalidRequest(
+            f"{name} must be in {low}..={high}, got {value}", code="invalid_value", param=name
+        )
+
+
+def validate_request(request: dict[str, Any]) -> None:
+    """Check the fields of a create request; raises `InvalidRequest` naming the first bad field."""
+    model = request.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(
+            "model is required and must be a non-empty string", code="invalid_value", param="model"
+        )
+    if "input" in request and not isinstance(request["input"], str | list):
+        raise InvalidRequest(
+            "input must be a string or a list of input items", code="invalid_type", param="input"
+        )
+    if isinstance(request.get("input"), list):
+        for i, item in enumerate(request["input"]):
+            if not isinstance(item, dict):
+                raise InvalidRequest(
+                    f"input[{i}] must be an object (an input item)", code="invalid_type", param=f"input[{i}]"
+                )
+    for flag in ("stream", "store", "parallel_tool_calls", "background"):
+        if flag in request and request[flag] is not None and not isinstance(request[flag], bool):
+            raise InvalidRequest(f"{flag} must be true or false", code="invalid_type", param=flag)
+    if "tools" in request and request["tools"] is not None:
+        tools = request["tools"]
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise InvalidRequest("tools must be a list of tool objects", code="invalid_type", param="tools")
+    if (
+        "metadata" in request
+        and request["metadata"] is not None
+        and not isinstance(request["metadata"], dict)
+    ):
+        raise InvalidRequest("metadata must be an object", code="invalid_type", param="metadata")
+    for name in NUMERIC_FIELDS:
+        if name in request:
+            _check_number(name, request[name])

@@ -1,0 +1,246 @@
+"""Shared test helpers: the gateway on a real uvicorn, metric deltas, raw HTTP, CASES.md notation."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from openai import OpenAI
+from prometheus_client import REGISTRY
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from middleware.app import create_app
+from middleware.config import Settings
+from tests.mock_upstream import E, MockUpstream
+from tests.servers import serve_asgi
+
+B = 1_048_576  # CASES.md knob: max_retained_bytes
+
+
+class CountingApp:
+    """ASGI wrapper counting requests and the request-body bytes the gateway read."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.requests = 0
+        self.body_bytes = 0
+        self.largest_message = 0  # the largest single http.request body the server delivered
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/responses":
+            self.requests += 1
+
+            async def counting_receive() -> Message:
+                message = await receive()
+                if message["type"] == "http.request":
+                    size = len(message.get("body", b""))
+                    self.body_bytes += size
+                    self.largest_message = max(self.largest_message, size)
+                return message
+
+            await self.app(scope, counting_receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+@contextlib.contextmanager
+def gateway(upstream: MockUpstream | None, **overrides: Any) -> Iterator[tuple[str, CountingApp]]:
+    """The gateway (wrapped in `CountingApp`) on a real uvicorn; yields (base URL, counter)."""
+    overrides.setdefault("max_retained_bytes", B)
+    overrides.setdefault("max_infer_iters", 3)
+    overrides.setdefault("upstream_read_timeout", 2.0)
+    overrides.setdefault("upstream_connect_timeout", 2.0)
+    settings = Settings(upstream=upstream.base_url if upstream else None, **overrides)
+    app = CountingApp(create_app(settings))
+    with serve_asgi(app) as url:
+        yield url, app
+
+
+def sdk(url: str, **kw: Any) -> OpenAI:
+    kw.setdefault("max_retries", 0)
+    return OpenAI(base_url=url + "/v1", api_key="client-key", **kw)
+
+
+def metric(name: str, **labels: str) -> float:
+    """Current value of a sample in the process registry (0 when absent)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+class MetricDelta:
+    """Snapshot metrics now; `delta(name, **labels)` is the increase since."""
+
+    def __init__(self) -> None:
+        self._before: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in REGISTRY.collect():
+            for sample in family.samples:
+                self._before[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+
+    def delta(self, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return metric(name, **labels) - self._before.get(key, 0.0)
+
+
+def raw_http(url: str, head: bytes, body: bytes = b"", *, read_timeout: float = 10.0) -> bytes:
+    """Send raw bytes to the gateway and return everything it answers until it closes or times out."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=read_timeout) as sock:
+        sock.sendall(head + body)
+        out = b""
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                out += data
+                if b"\r\n\r\n" in out and _complete(out):
+                    break
+        except TimeoutError:
+            pass
+    return out
+
+
+def _complete(raw: bytes) -> bool:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False
+
+
+def response_json(raw: bytes) -> tuple[int, dict[str, str], Any]:
+    """Parse the first raw HTTP/1.1 response (Content-Length body): (status, headers, JSON body)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    body = body[: int(headers.get("content-length", len(body)))]
+    return status, headers, json.loads(body) if body else None
+
+
+# -- CASES.md notation --------------------------------------------------------------------------
+def PRE() -> list[bytes]:
+    created = {"id": "resp_up", "object": "response", "status": "in_progress", "output": []}
+    return [
+        E("response.created", {"type": "response.created", "sequence_number": 0, "response": created}),
+        E(
+            "response.in_progress",
+            {"type": "response.in_progress", "sequence_number": 1, "response": created},
+        ),
+    ]
+
+
+def message_item(text: str, item_id: str = "msg_1") -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def FC(call_id: str, name: str, args: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{call_id}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": args,
+        "status": "completed",
+    }
+
+
+def response_obj(output: list[dict[str, Any]], status: str = "completed", **extra: Any) -> dict[str, Any]:
+    return {"id": "resp_up", "object": "response", "status": status, "output": output, **extra}
+
+
+def DONE(seq: int, output: list[dict[str, Any]]) -> bytes:
+    return E(
+        "response.completed",
+        {"type": "response.completed", "sequence_number": seq, "response": response_obj(output)},
+    )
+
+
+def text_delta(seq: int, delta: str) -> bytes:
+    return E(
+        "response.output_text.delta",
+        {
+            "type": "response.output_text.delta",
+            "sequence_number": seq,
+            "item_id": "msg_1",
+            "output_index": 0,
+            "content_index": 0,
+            "delta": delta,
+        },
+    )
+
+
+def sse_events(body: bytes) -> list[tuple[str, Any]]:
+    """(event name, parsed data) of every frame of an SSE body; comments skipped."""
+    out = []
+    for block in body.replace(b"\r\n", b"\n").split(b"\n\n"):
+        name, data = "message", []
+        for line in block.split(b"\n"):
+            if line.startswith(b"event:"):
+                name = line[6:].strip().decode()
+            elif line.startswith(b"data:"):
+                data.append(line[5:].strip())
+        if data:
+            out.append((name, json.loads(b"\n".join(data))))
+    return out
+
+
+class CountingUpstream:
+    """Wraps an `UpstreamClient`, counting the body bytes the gateway actually read from upstream."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.bytes_read = 0
+
+    async def post(self, path: str, body: bytes, *, stream: bool) -> Any:
+        response = await self.inner.post(path, body, stream=stream)
+        outer = self
+
+        class _Counted:
+            status_code = response.status_code
+            headers = response.headers
+
+            async def chunks(self) -> Any:
+                async for chunk in response.chunks():
+                    outer.bytes_read += len(chunk)
+                    yield chunk
+
+            async def aclose(self) -> None:
+                await response.aclose()
+
+        return _Counted()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@contextlib.contextmanager
+def counting_gateway(
+    upstream: MockUpstream, **overrides: Any
+) -> Iterator[tuple[str, CountingApp, CountingUpstream]]:
+    """Like `gateway`, also counting the upstream body bytes the gateway read."""
+    from middleware.app import default_upstream
+
+    overrides.setdefault("max_retained_bytes", B)
+    overrides.setdefault("upstream_read_timeout", 2.0)
+    settings = Settings(upstream=upstream.base_url, **overrides)
+    holder: list[CountingUpstream] = []
+
+    def factory(s: Settings, base_url: str) -> Any:
+        holder.append(CountingUpstream(default_upstream(s, base_url)))
+        return holder[0]
+
+    app = CountingApp(create_app(settings, upstream_factory=factory))
+    with serve_asgi(app) as url:
+        yield url, app, holder[0]
