@@ -1,0 +1,887 @@
+"""The metrics contract (DESIGN.md §8) and every PromQL expression the dashboards and alerts use.
+
+This module is the single source of truth for:
+
+* metric names, types and allowed label values (`METRICS`, `CAP_LIMITS`, `CAP_OUTCOMES`, ...),
+  so the app's metric definitions can import one definition;
+* histogram bucket bounds (`RETAINED_BYTES_BUCKETS`, `UTILIZATION_BUCKETS`, `ROUNDS_BUCKETS`,
+  `LATENCY_BUCKETS`): queries that pick one bucket (``le``) are only right if the app uses
+  exactly these;
+* the PromQL of every dashboard panel (`QUERIES`) and alert rule (`ALERTS`), so a live check
+  against a real Prometheus can run them all (`all_expressions`), after `substitute`.
+
+Stdlib only, nothing computed at import beyond constants: the app may import it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from dashboards.promql import go_float, le_regex, selectors, substitute
+
+__all__ = [
+    "ALERTS",
+    "CANDIDATE_INFER_ITERS",
+    "CANDIDATE_RETAINED_LIMITS",
+    "CAP_HIT_PAIRS",
+    "CAP_LIMITS",
+    "CAP_OUTCOMES",
+    "DASHBOARD_VARIABLES",
+    "DEFAULT_MAX_RETAINED_BYTES",
+    "HTTP_STATUSES",
+    "JOB_VARIABLE_METRIC",
+    "LATENCY_BUCKETS",
+    "METRICS",
+    "QUANTILES",
+    "QUERIES",
+    "RETAINED_BYTES_BUCKETS",
+    "ROUNDS_BUCKETS",
+    "STANDARD_METRICS",
+    "STREAM_ERROR_CODES",
+    "TARGET_LABELS",
+    "TOOL_OUTCOMES",
+    "UPSTREAM_ERROR_KINDS",
+    "UTILIZATION_BUCKETS",
+    "WORKER_MEMORY_BYTES",
+    "Alert",
+    "Expression",
+    "MetricSpec",
+    "Query",
+    "all_expressions",
+    "contract_problems",
+    "series_names",
+]
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# --- label values (DESIGN.md §8) ---------------------------------------------------------------
+
+#: ``loopwarden_cap_hits_total{limit}``: which limit stopped or cut the request.
+CAP_LIMITS: tuple[str, ...] = (
+    "max_retained_bytes",
+    "request_body",
+    "upstream_body",
+    "max_infer_iters",
+    "max_tool_calls",
+    "tool_timeout",
+    "client_body_timeout",
+    "request_deadline",
+    "admission",
+)
+#: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
+CAP_OUTCOMES: tuple[str, ...] = (
+    "400",
+    "408",
+    "413",
+    "502",
+    "503",
+    "504",
+    "508",
+    "sse_error",
+    "incomplete",
+    "tool_error",
+)
+#: The (limit, outcome) pairs the DESIGN.md §5 outcome table can produce. The app may
+#: pre-initialise exactly these, so dashboards show 0 instead of "No data" and the live check
+#: sees a series for every cap-hit query.
+CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
+    ("max_retained_bytes", "413"),  # initial payload or restored history
+    ("max_retained_bytes", "502"),  # later overflow, before commit
+    ("max_retained_bytes", "sse_error"),  # later overflow, after commit
+    ("request_body", "413"),  # raw body over limit // 32
+    ("upstream_body", "502"),  # buffered upstream Content-Length over limit // 8
+    ("max_infer_iters", "508"),
+    ("max_infer_iters", "sse_error"),
+    ("max_tool_calls", "incomplete"),  # the request's own max_tool_calls: the client's choice
+    ("tool_timeout", "tool_error"),  # fed back to the model as an error output
+    ("client_body_timeout", "408"),
+    ("request_deadline", "504"),
+    ("request_deadline", "sse_error"),
+    ("admission", "503"),  # process pool full
+    ("admission", "413"),  # one reservation larger than the whole pool
+)
+#: ``loopwarden_upstream_errors_total{kind}``.
+UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
+    "connect",
+    "timeout",
+    "eof",
+    "protocol",
+    "decode",
+    "status_4xx",
+    "status_5xx",
+    "stream_error",
+)
+#: ``loopwarden_tool_calls_total{outcome}``.
+TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
+#: ``loopwarden_stream_errors_total{code}``: the DESIGN.md §5 codes that can be sent after commit.
+#: Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded strings and
+#: must be folded into ``upstream_error`` before they become a label value.
+STREAM_ERROR_CODES: tuple[str, ...] = (
+    "max_retained_bytes_exceeded",
+    "max_infer_iters_exceeded",
+    "upstream_timeout",
+    "request_deadline_exceeded",
+    "upstream_incomplete",
+    "upstream_invalid_response",
+    "upstream_auth_failed",
+    "upstream_error",
+    "server_shutting_down",
+    "internal_error",
+)
+#: ``loopwarden_requests_total{status}``: the statuses DESIGN.md §5 answers with, plus 404/405
+#: from routing, 500 (a bug: no client input may cause it) and 499 (client went away before a
+#: status was sent, the nginx convention).
+HTTP_STATUSES: tuple[str, ...] = (
+    "200",
+    "400",
+    "401",
+    "403",
+    "404",
+    "405",
+    "408",
+    "409",
+    "413",
+    "422",
+    "429",
+    "499",
+    "500",
+    "502",
+    "503",
+    "504",
+    "508",
+)
+#: ``loopwarden_requests_total{model}`` holds the names configured under ``models:`` (not known
+#: here) and this value for every other model.
+OTHER_MODEL = "other"
+#: Labels Prometheus attaches to every scraped series (allowed in any matcher or grouping).
+TARGET_LABELS: tuple[str, ...] = ("job", "instance")
+
+# --- histogram buckets -------------------------------------------------------------------------
+
+#: ``loopwarden_retained_bytes_peak``: powers of two from 4 KiB to 256 MiB, i.e. the whole
+#: ``max_retained_bytes`` range (4096..=268435456), so every candidate limit that is a power of
+#: two is a bucket bound. A peak never exceeds its limit, so +Inf holds nothing above 256 MiB.
+RETAINED_BYTES_BUCKETS: tuple[float, ...] = tuple(float(4 * KiB * 2**i) for i in range(17))
+#: ``loopwarden_retained_utilization_ratio`` (peak / limit, in 0..=1; a peak equal to the
+#: limit is admitted and lands in the 1.0 bucket).
+UTILIZATION_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.6,
+    0.7,
+    0.8,
+    0.9,
+    0.95,
+    0.99,
+    1.0,
+)
+#: ``loopwarden_inference_rounds``: every integer up to 10 (the default ``max_infer_iters``),
+#: then coarser up to the 100 maximum.
+ROUNDS_BUCKETS: tuple[float, ...] = (
+    1.0,
+    2.0,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    7.0,
+    8.0,
+    9.0,
+    10.0,
+    12.0,
+    15.0,
+    20.0,
+    25.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    80.0,
+    100.0,
+)
+#: ``loopwarden_upstream_duration_seconds``, ``loopwarden_upstream_ttfb_seconds`` and
+#: ``loopwarden_tool_call_duration_seconds`` (seconds, up to the 600 s default read timeout).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+
+# --- metrics -----------------------------------------------------------------------------------
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family of DESIGN.md §8.
+
+    `labels` maps each label name to its allowed values, or to ``None`` when the values are
+    operator-defined (``model``: the configured model names and ``other``). `buckets` are the
+    upper bounds of a histogram (``None`` for counters and gauges).
+    """
+
+    name: str
+    type: MetricType
+    documentation: str
+    labels: Mapping[str, tuple[str, ...] | None]
+    buckets: tuple[float, ...] | None = None
+
+
+def _metrics(*specs: MetricSpec) -> Mapping[str, MetricSpec]:
+    return {spec.name: spec for spec in specs}
+
+
+METRICS: Mapping[str, MetricSpec] = _metrics(
+    MetricSpec(
+        "loopwarden_requests_total",
+        "counter",
+        "Client requests answered, by HTTP status and model.",
+        {"status": HTTP_STATUSES, "model": None},
+    ),
+    MetricSpec(
+        "loopwarden_cap_hits_total",
+        "counter",
+        "Requests stopped or cut by a limit, by limit and outcome.",
+        {"limit": CAP_LIMITS, "outcome": CAP_OUTCOMES},
+    ),
+    MetricSpec(
+        "loopwarden_stream_errors_total",
+        "counter",
+        "SSE error frames sent after a stream was committed, by error code.",
+        {"code": STREAM_ERROR_CODES},
+    ),
+    MetricSpec(
+        "loopwarden_upstream_errors_total",
+        "counter",
+        "Failures of the upstream model server, by kind.",
+        {"kind": UPSTREAM_ERROR_KINDS},
+    ),
+    MetricSpec(
+        "loopwarden_client_disconnects_total",
+        "counter",
+        "Requests whose client went away before the answer was complete.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_tool_calls_total",
+        "counter",
+        "Gateway-owned tool calls, by outcome.",
+        {"outcome": TOOL_OUTCOMES},
+    ),
+    MetricSpec(
+        "loopwarden_tool_call_duration_seconds",
+        "histogram",
+        "Duration of one gateway-owned tool call, seconds.",
+        {},
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_inference_rounds",
+        "histogram",
+        "Inference calls (rounds) made for one client request.",
+        {},
+        ROUNDS_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_retained_bytes_peak",
+        "histogram",
+        "Peak retained bytes charged to one request's ledger.",
+        {},
+        RETAINED_BYTES_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_retained_utilization_ratio",
+        "histogram",
+        "Peak retained bytes of a request divided by its max_retained_bytes limit.",
+        {},
+        UTILIZATION_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_inflight_requests",
+        "gauge",
+        "Requests being served now.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_inflight_retained_bytes",
+        "gauge",
+        "Retained bytes charged to all live ledgers (the sum over requests in flight).",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_upstream_duration_seconds",
+        "histogram",
+        "Duration of one upstream inference call, seconds.",
+        {},
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_upstream_ttfb_seconds",
+        "histogram",
+        "Time to the first byte of one upstream inference call's response, seconds.",
+        {},
+        LATENCY_BUCKETS,
+    ),
+)
+
+#: Standard series the dashboards may use beside §8: Prometheus' own ``up`` and the
+#: prometheus-client process collector. Not exported in the client's multiprocess mode.
+STANDARD_METRICS: Mapping[str, MetricType] = {
+    "up": "gauge",
+    "process_resident_memory_bytes": "gauge",
+}
+
+
+def series_names() -> Mapping[str, str]:
+    """Every series name a query may select, mapped to the metric family it belongs to.
+
+    Counters and gauges are selected by their name; a histogram only through its ``_bucket``,
+    ``_count`` and ``_sum`` series.
+    """
+    names: dict[str, str] = {}
+    for spec in METRICS.values():
+        if spec.type == "histogram":
+            for suffix in ("_bucket", "_count", "_sum"):
+                names[spec.name + suffix] = spec.name
+        else:
+            names[spec.name] = spec.name
+    for name in STANDARD_METRICS:
+        names[name] = name
+    return names
+
+
+# --- dashboard variables -----------------------------------------------------------------------
+
+#: The default ``max_retained_bytes`` (DESIGN.md §3): 64 MiB.
+DEFAULT_MAX_RETAINED_BYTES = 64 * MiB
+#: The memory one scrape target (all its workers) may use: the line "worker memory" on the
+#: capacity dashboard and the threshold of `LoopwardenInflightRetainedNearWorkerMemory`. Set it to
+#: your container's memory limit and rerun ``python -m dashboards.generate``.
+WORKER_MEMORY_BYTES = 2 * GiB
+#: Candidate ``max_retained_bytes`` values for "share of requests each limit would reject";
+#: each is a bound in `RETAINED_BYTES_BUCKETS`.
+CANDIDATE_RETAINED_LIMITS: tuple[int, ...] = (16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB)
+#: Candidate ``max_infer_iters`` values; each is a bound in `ROUNDS_BUCKETS`.
+CANDIDATE_INFER_ITERS: tuple[int, ...] = (3, 5, 10, 20)
+QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
+#: The metric whose ``job`` label values feed the ``job`` variable.
+JOB_VARIABLE_METRIC = "loopwarden_requests_total"
+
+#: Dashboard variables and the value each gets outside Grafana (validation, the live check):
+#: ``job`` matches every job; the others take their default.
+DASHBOARD_VARIABLES: Mapping[str, str] = {
+    "job": ".+",
+    "max_retained_bytes": str(DEFAULT_MAX_RETAINED_BYTES),
+    "worker_memory_bytes": str(WORKER_MEMORY_BYTES),
+}
+
+
+# --- expressions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Query:
+    """One dashboard query: PromQL with Grafana macros, its legend, and when it may be empty.
+
+    `may_be_empty` is ``""`` when a running gateway must always give the query a series (for
+    example a counter without labels, a gauge, or a label set the app pre-initialises), else
+    the reason it can legitimately return nothing.
+    """
+
+    key: str
+    expr: str
+    legend: str = ""
+    may_be_empty: str = ""
+
+
+def _sel(metric: str, *matchers: str) -> str:
+    """``metric{job=~"$job", ...}``: every dashboard selector follows the ``job`` variable."""
+    return metric + "{" + ", ".join(('job=~"$job"', *matchers)) + "}"
+
+
+def _rate(metric: str, *matchers: str, window: str = "$__rate_interval") -> str:
+    return f"rate({_sel(metric, *matchers)}[{window}])"
+
+
+def _quantile(q: float, histogram: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) ({_rate(histogram + '_bucket')}))"
+
+
+def _share_above(histogram: str, bound: float, window: str, fn: str = "increase") -> str:
+    """Share of observations above `bound` (which must be a bucket bound) over `window`."""
+    bucket = _sel(histogram + "_bucket", f'le=~"{le_regex(bound)}"')
+    count = _sel(histogram + "_count")
+    return f"1 - sum({fn}({bucket}[{window}])) / sum({fn}({count}[{window}]))"
+
+
+def _mib(value: int) -> str:
+    return f"{value // MiB} MiB"
+
+
+_NOT_2XX = 'status!~"2.."'
+_NOT_MAX_TOOL_CALLS = 'limit!="max_tool_calls"'
+_CAP_STATUSES = 'status=~"413|502|508"'
+_TOOL_NOT_OK = 'outcome!="ok"'
+_NOT_PREINIT = "empty until a request produces this label set, unless the app pre-initialises it"
+_MULTIPROCESS = "prometheus-client's multiprocess mode (--workers > 1) exports no process_* metrics"
+
+_QUERY_LIST: list[Query] = [
+    # traffic
+    Query(
+        "requests_by_status",
+        f"sum by (status) ({_rate('loopwarden_requests_total')})",
+        "{{status}}",
+        may_be_empty="empty until the first request is answered",
+    ),
+    Query(
+        "requests_by_model",
+        f"sum by (model) ({_rate('loopwarden_requests_total')})",
+        "{{model}}",
+        may_be_empty="empty until the first request is answered",
+    ),
+    Query(
+        "non_2xx_ratio",
+        f"sum({_rate('loopwarden_requests_total', _NOT_2XX)}) / sum({_rate('loopwarden_requests_total')})",
+        "non-2xx share",
+        may_be_empty="empty until a non-2xx answer",
+    ),
+    Query("targets_up", 'sum(up{job=~"$job"})', "targets up"),
+    Query("targets_total", 'count(up{job=~"$job"})', "targets"),
+    Query("inflight_requests", f"sum by (instance) ({_sel('loopwarden_inflight_requests')})", "{{instance}}"),
+    Query("client_disconnects", f"sum({_rate('loopwarden_client_disconnects_total')})", "client disconnects"),
+    # cap hits and failures
+    Query(
+        "cap_hits_by_limit_outcome",
+        f"sum by (limit, outcome) ({_rate('loopwarden_cap_hits_total')})",
+        "{{limit}} → {{outcome}}",
+        may_be_empty=_NOT_PREINIT,
+    ),
+    Query(
+        "cap_hit_ratio",
+        f"sum({_rate('loopwarden_cap_hits_total', _NOT_MAX_TOOL_CALLS)})"
+        f" / sum({_rate('loopwarden_requests_total')})",
+        "cap hits per request (max_tool_calls excluded)",
+        may_be_empty=_NOT_PREINIT,
+    ),
+    Query(
+        "status_413_502_508",
+        f"sum by (status) ({_rate('loopwarden_requests_total', _CAP_STATUSES)})",
+        "HTTP {{status}}",
+        may_be_empty="empty until a 413, 502 or 508 is answered",
+    ),
+    Query(
+        "sse_errors",
+        f"sum({_rate('loopwarden_stream_errors_total')})",
+        "SSE error frames (after commit)",
+        may_be_empty=_NOT_PREINIT,
+    ),
+    Query(
+        "sse_errors_by_code",
+        f"sum by (code) ({_rate('loopwarden_stream_errors_total')})",
+        "{{code}}",
+        may_be_empty=_NOT_PREINIT,
+    ),
+    # tools
+    Query(
+        "tool_calls_by_outcome",
+        f"sum by (outcome) ({_rate('loopwarden_tool_calls_total')})",
+        "{{outcome}}",
+        may_be_empty=_NOT_PREINIT,
+    ),
+    Query(
+        "tool_failure_ratio",
+        f"sum by (outcome) ({_rate('loopwarden_tool_calls_total', _TOOL_NOT_OK)})"
+        f" / ignoring (outcome) group_left sum({_rate('loopwarden_tool_calls_total')})",
+        "{{outcome}}",
+        may_be_empty=_NOT_PREINIT,
+    ),
+    *(
+        Query(
+            f"tool_duration_p{round(q * 100)}",
+            _quantile(q, "loopwarden_tool_call_duration_seconds"),
+            f"p{round(q * 100)}",
+        )
+        for q in QUANTILES
+    ),
+    # upstream
+    Query(
+        "upstream_errors_by_kind",
+        f"sum by (kind) ({_rate('loopwarden_upstream_errors_total')})",
+        "{{kind}}",
+        may_be_empty=_NOT_PREINIT,
+    ),
+    *(
+        Query(
+            f"upstream_duration_p{round(q * 100)}",
+            _quantile(q, "loopwarden_upstream_duration_seconds"),
+            f"p{round(q * 100)}",
+        )
+        for q in QUANTILES
+    ),
+    *(
+        Query(
+            f"upstream_ttfb_p{round(q * 100)}",
+            _quantile(q, "loopwarden_upstream_ttfb_seconds"),
+            f"p{round(q * 100)}",
+        )
+        for q in QUANTILES
+    ),
+    # capacity: retained bytes
+    *(
+        Query(
+            f"retained_peak_p{round(q * 100)}",
+            _quantile(q, "loopwarden_retained_bytes_peak"),
+            f"p{round(q * 100)}",
+        )
+        for q in QUANTILES
+    ),
+    Query(
+        "retained_peak_mean",
+        f"sum({_rate('loopwarden_retained_bytes_peak_sum')}) / sum({_rate('loopwarden_retained_bytes_peak_count')})",
+        "mean",
+    ),
+    Query("max_retained_bytes", "vector($max_retained_bytes)", "max_retained_bytes (configured)"),
+    Query(
+        "utilization_heatmap",
+        f"sum by (le) (increase({_sel('loopwarden_retained_utilization_ratio_bucket')}[$__rate_interval]))",
+        "{{le}}",
+    ),
+    *(
+        Query(
+            f"utilization_over_{round(bound * 100)}",
+            _share_above("loopwarden_retained_utilization_ratio", bound, "$__rate_interval", fn="rate"),
+            f"over {round(bound * 100)}% of the limit",
+        )
+        for bound in (0.5, 0.9)
+    ),
+    *(
+        Query(
+            f"rejected_at_{limit // MiB}mib",
+            _share_above("loopwarden_retained_bytes_peak", limit, "$__range"),
+            f"max_retained_bytes = {_mib(limit)}",
+        )
+        for limit in CANDIDATE_RETAINED_LIMITS
+    ),
+    # capacity: rounds
+    *(
+        Query(f"rounds_p{round(q * 100)}", _quantile(q, "loopwarden_inference_rounds"), f"p{round(q * 100)}")
+        for q in QUANTILES
+    ),
+    Query(
+        "rounds_mean",
+        f"sum({_rate('loopwarden_inference_rounds_sum')}) / sum({_rate('loopwarden_inference_rounds_count')})",
+        "mean",
+    ),
+    *(
+        Query(
+            f"rejected_at_{iters}_iters",
+            _share_above("loopwarden_inference_rounds", iters, "$__range"),
+            f"max_infer_iters = {iters}",
+        )
+        for iters in CANDIDATE_INFER_ITERS
+    ),
+    # capacity: memory
+    Query(
+        "inflight_retained_by_instance",
+        f"sum by (instance) ({_sel('loopwarden_inflight_retained_bytes')})",
+        "{{instance}} retained (live ledgers)",
+    ),
+    Query(
+        "resident_memory_by_instance",
+        f"sum by (instance) ({_sel('process_resident_memory_bytes')})",
+        "{{instance}} resident memory",
+        may_be_empty=_MULTIPROCESS,
+    ),
+    Query("worker_memory", "vector($worker_memory_bytes)", "worker memory (WORKER_MEMORY_BYTES)"),
+    Query(
+        "inflight_retained_share",
+        f"sum by (instance) ({_sel('loopwarden_inflight_retained_bytes')}) / $worker_memory_bytes",
+        "{{instance}}",
+    ),
+]
+
+#: Every dashboard query by key (PromQL with Grafana macros; see `substitute`).
+QUERIES: Mapping[str, Query] = {query.key: query for query in _QUERY_LIST}
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One Prometheus alerting rule.
+
+    `expr` fires the alert; `signal` is the same measurement without threshold or traffic
+    guard (what the live check expects to return series, and what to graph when tuning).
+    `summary` and `description` may use Prometheus' alert templates.
+    """
+
+    name: str
+    expr: str
+    signal: str
+    for_: str
+    severity: Literal["warning", "critical"]
+    summary: str
+    description: str
+    signal_may_be_empty: str = ""
+
+
+#: Alerts on ratios need some traffic: under this many requests per second (15 per 5 min) one
+#: cap hit is already a large share.
+MIN_REQUEST_RATE = 0.05
+CAP_HIT_RATIO_THRESHOLD = 0.05
+LOOP_DETECTED_THRESHOLD = 10
+UPSTREAM_TIMEOUT_RATIO_THRESHOLD = 0.02
+SSE_ERROR_RATIO_THRESHOLD = 0.02
+WORKER_MEMORY_FRACTION = 0.8
+
+_REQUEST_RATE = "sum by (job) (rate(loopwarden_requests_total[5m]))"
+_OK_RATE = 'sum by (job) (rate(loopwarden_requests_total{status="200"}[5m]))'
+
+
+def _ratio(numerator: str, denominator: str) -> str:
+    return f"{numerator}\n/\n{denominator}"
+
+
+def _guarded(signal: str, threshold: float, guard: str) -> str:
+    """`signal` above `threshold`, only while `guard` (a request rate) shows enough traffic."""
+    indented = signal.replace("\n", "\n  ")
+    return f"(\n  {indented}\n) > {threshold}\nand\n{guard} > {MIN_REQUEST_RATE}"
+
+
+_CAP_HIT_RATIO = _ratio(
+    'sum by (job) (rate(loopwarden_cap_hits_total{limit!="max_tool_calls"}[5m]))', _REQUEST_RATE
+)
+_LOOP_DETECTED = 'sum by (job) (increase(loopwarden_cap_hits_total{limit="max_infer_iters"}[5m]))'
+_UPSTREAM_TIMEOUT_RATIO = _ratio(
+    'sum by (job) (rate(loopwarden_upstream_errors_total{kind="timeout"}[5m]))', _REQUEST_RATE
+)
+_SSE_ERROR_RATIO = _ratio("sum by (job) (rate(loopwarden_stream_errors_total[5m]))", _OK_RATE)
+_INFLIGHT_RETAINED = "max by (job, instance) (loopwarden_inflight_retained_bytes)"
+_INTERNAL_ERRORS = 'sum by (job) (increase(loopwarden_requests_total{status="500"}[10m]))'
+
+
+ALERTS: tuple[Alert, ...] = (
+    Alert(
+        name="LoopwardenCapHitRatioHigh",
+        expr=_guarded(_CAP_HIT_RATIO, CAP_HIT_RATIO_THRESHOLD, _REQUEST_RATE),
+        signal=_CAP_HIT_RATIO,
+        for_="10m",
+        severity="warning",
+        summary="{{ $value | humanizePercentage }} of requests on {{ $labels.job }} hit a loopwarden cap",
+        description=(
+            f"Over 5 m more than {CAP_HIT_RATIO_THRESHOLD:.0%} of requests were stopped or cut by a limit"
+            " (max_tool_calls, the client's own choice, is not counted). The operations dashboard's"
+            " 'Cap hits by limit and outcome' shows which limit. max_retained_bytes: check the capacity"
+            " dashboard (peak retained bytes, 'Requests each max_retained_bytes would reject') and raise"
+            " --max-retained-bytes or the model's override only if legitimate traffic is rejected."
+            " request_body: clients send bodies over max_retained_bytes // 32. max_infer_iters: see"
+            " LoopwardenLoopDetectedSpike. tool_timeout: a gateway tool (MCP server) is slow or down."
+            " admission: the process pool is full; add workers or instances."
+        ),
+        signal_may_be_empty=_NOT_PREINIT,
+    ),
+    Alert(
+        name="LoopwardenLoopDetectedSpike",
+        expr=f"{_LOOP_DETECTED} > {LOOP_DETECTED_THRESHOLD}",
+        signal=_LOOP_DETECTED,
+        for_="2m",
+        severity="warning",
+        summary="{{ $value | humanize }} requests on {{ $labels.job }} hit max_infer_iters in 5 m (508 / SSE error)",
+        description=(
+            "Models keep calling gateway tools after max_infer_iters inference calls: runaway tool loops,"
+            " answered with 508 or an SSE error frame max_infer_iters_exceeded. Find the model on"
+            " 'Requests by model' and the failing tool on 'Tool calls by outcome'; a tool that keeps"
+            " failing or a looping prompt is the usual cause, fix that first. Raise --max-infer-iters"
+            " (or the model's override, 1..=100) only if the capacity dashboard's 'Rounds per request'"
+            " shows that legitimate requests need more rounds."
+        ),
+        signal_may_be_empty=_NOT_PREINIT,
+    ),
+    Alert(
+        name="LoopwardenUpstreamTimeouts",
+        expr=_guarded(_UPSTREAM_TIMEOUT_RATIO, UPSTREAM_TIMEOUT_RATIO_THRESHOLD, _REQUEST_RATE),
+        signal=_UPSTREAM_TIMEOUT_RATIO,
+        for_="10m",
+        severity="warning",
+        summary="{{ $value | humanizePercentage }} of requests on {{ $labels.job }} saw an upstream timeout",
+        description=(
+            "The model server did not connect, send its first byte or keep sending within the configured"
+            " timeouts (504 upstream_timeout, or an SSE error frame after commit). Check 'Upstream latency'"
+            " and 'Upstream time to first byte': if the model server is overloaded, scale it or shed load;"
+            " if long generations are legitimate, raise --upstream-read-timeout (first byte and between"
+            " reads, default 600 s) or --upstream-connect-timeout (default 10 s)."
+        ),
+        signal_may_be_empty=_NOT_PREINIT,
+    ),
+    Alert(
+        name="LoopwardenInflightRetainedNearWorkerMemory",
+        expr=f"{_INFLIGHT_RETAINED} > {WORKER_MEMORY_FRACTION} * {WORKER_MEMORY_BYTES}",
+        signal=_INFLIGHT_RETAINED,
+        for_="5m",
+        severity="critical",
+        summary=(
+            "Live ledgers on {{ $labels.instance }} hold {{ $value | humanize1024 }}B,"
+            f" over {WORKER_MEMORY_FRACTION:.0%} of the {WORKER_MEMORY_BYTES // GiB} GiB worker memory"
+        ),
+        description=(
+            "The requests in flight on this instance may keep that much memory alive; near the worker's"
+            " memory the process risks an OOM kill that drops every request on it. Compare with resident"
+            " memory on the capacity dashboard. Lower --max-retained-bytes (or the heavy models' overrides),"
+            " serve fewer concurrent requests per instance (more instances), or give workers more memory"
+            " and set WORKER_MEMORY_BYTES in dashboards/queries.py to match (then rerun"
+            " python -m dashboards.generate)."
+        ),
+    ),
+    Alert(
+        name="LoopwardenSseErrorRateHigh",
+        expr=_guarded(_SSE_ERROR_RATIO, SSE_ERROR_RATIO_THRESHOLD, _OK_RATE),
+        signal=_SSE_ERROR_RATIO,
+        for_="10m",
+        severity="warning",
+        summary="{{ $value | humanizePercentage }} of 200 responses on {{ $labels.job }} ended in an SSE error frame",
+        description=(
+            "Errors after a stream is committed keep HTTP status 200, so only loopwarden_stream_errors_total"
+            " shows them. See 'SSE errors by code': max_retained_bytes_exceeded - a round's output or a tool"
+            " result overflowed the ledger, raise --max-retained-bytes if the capacity dashboard shows"
+            " legitimate traffic near the limit; upstream_timeout or upstream_incomplete - the model server"
+            " stalls or drops streams, raise --upstream-read-timeout or fix the model server;"
+            " max_infer_iters_exceeded - see LoopwardenLoopDetectedSpike."
+        ),
+        signal_may_be_empty=_NOT_PREINIT,
+    ),
+    Alert(
+        name="LoopwardenInternalErrors",
+        expr=f"{_INTERNAL_ERRORS} > 0",
+        signal=_INTERNAL_ERRORS,
+        for_="1m",
+        severity="warning",
+        summary="{{ $labels.job }} answered {{ $value | humanize }} requests with HTTP 500 in 10 m",
+        description=(
+            "A 500 is a gateway bug: every failure should map to a documented status (DESIGN.md §5)."
+            " Find 'internal error while serving a request' with its traceback in the gateway's logs"
+            " and report it; no setting fixes this."
+        ),
+        signal_may_be_empty="empty unless a request was answered with 500 (a bug)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Expression:
+    """One PromQL expression for the live check: where it comes from and whether it may be empty."""
+
+    key: str
+    expr: str
+    may_be_empty: str
+
+
+def all_expressions(variables: Mapping[str, str] | None = None) -> list[Expression]:
+    """Every dashboard query and alert expression, Grafana macros substituted.
+
+    `variables` overrides `DASHBOARD_VARIABLES` (for example ``{"job": "loopwarden"}``).
+    Keys are ``query:<key>``, ``alert:<name>`` (may be empty: it fires only under fault) and
+    ``signal:<name>`` (the alert's measurement without its threshold).
+    """
+    values = {**DASHBOARD_VARIABLES, **(variables or {})}
+    found = [
+        Expression(f"query:{q.key}", substitute(q.expr, values), q.may_be_empty) for q in QUERIES.values()
+    ]
+    for alert in ALERTS:
+        found.append(Expression(f"alert:{alert.name}", alert.expr, "fires only when the condition holds"))
+        found.append(Expression(f"signal:{alert.name}", alert.signal, alert.signal_may_be_empty))
+    return found
+
+
+def contract_problems(expr: str) -> list[str]:
+    """Every way `expr` (already `substitute`d) breaks the metric contract; empty when it keeps it.
+
+    Catches what a real Prometheus answers with an empty result instead of an error: a metric
+    name not in `METRICS` or `STANDARD_METRICS` (or a histogram selected without its ``_bucket``
+    / ``_count`` / ``_sum`` suffix), a label the metric does not have, a label value outside the
+    allowed ones (for ``=~``/``!~``: a regex matching none of them), an ``le`` matcher that is
+    not exactly one bucket bound of that histogram, and a selector without a metric name.
+    """
+    names = series_names()
+    problems: list[str] = []
+    for selector in selectors(expr):
+        if selector.metric is None:
+            problems.append(f"selector without a metric name: {selector.matchers}")
+            continue
+        family = names.get(selector.metric)
+        if family is None:
+            problems.append(
+                f"{selector.metric} is not a metric of DESIGN.md §8 nor an allowed standard metric"
+            )
+            continue
+        spec = METRICS.get(family)
+        labels: Mapping[str, tuple[str, ...] | None] = spec.labels if spec is not None else {}
+        for label, op, value in selector.matchers:
+            if label in TARGET_LABELS:
+                continue
+            if (
+                label == "le"
+                and spec is not None
+                and spec.buckets is not None
+                and selector.metric.endswith("_bucket")
+            ):
+                bounds = [*spec.buckets, float("inf")]
+                # The form prometheus-client writes (and Prometheus 3 normalises to).
+                hits = [b for b in bounds if _matches(op, value, go_float(b))]
+                if op in {"=", "=~"} and len(hits) != 1:
+                    problems.append(
+                        f"{selector.metric}{{le{op}{value!r}}} selects {len(hits)} bucket bounds, not 1"
+                    )
+                continue
+            if label not in labels:
+                problems.append(
+                    f"{selector.metric} has no label {label!r} (it has {sorted(labels) or 'none'})"
+                )
+                continue
+            allowed = labels[label]
+            if allowed is None:
+                continue
+            if op in {"=", "!="} and value not in allowed:
+                problems.append(
+                    f"{selector.metric}{{{label}{op}{value!r}}}: {value!r} is not one of {allowed}"
+                )
+            if op in {"=~", "!~"} and not any(_matches("=~", value, v) for v in allowed):
+                problems.append(
+                    f"{selector.metric}{{{label}{op}{value!r}}}: the regex matches none of {allowed}"
+                )
+    return problems
+
+
+def _matches(op: str, pattern: str, value: str) -> bool:
+    """Whether matcher `op` `pattern` selects `value` (PromQL regexes are fully anchored)."""
+    if op == "=":
+        return value == pattern
+    if op == "!=":
+        return value != pattern
+    try:
+        hit = re.fullmatch(pattern, value) is not None
+    except re.error:
+        return False
+    return hit if op == "=~" else not hit
