@@ -26,6 +26,7 @@ from middleware.config import Settings
 from middleware.embedded import BackgroundServer
 from middleware.responses import ResponsesApp
 from middleware.state import GatewayState
+from middleware.tools import McpServerConfig, ToolCatalog
 from middleware.upstream import HttpxUpstream, UpstreamClient
 
 log = logging.getLogger("loopwarden")
@@ -50,6 +51,25 @@ def default_upstream(settings: Settings, base_url: str) -> UpstreamClient:
         read_timeout=settings.upstream_read_timeout,
         deadline=settings.upstream_deadline,
         max_connections=settings.upstream_max_connections,
+    )
+
+
+def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
+    """The process's MCP `ToolCatalog`: ``--mcp-server LABEL=URL`` entries, the ``--mcp-allow``
+    prefixes, and (``demo``) the in-process demo server under the label ``demo``."""
+    servers = []
+    for entry in settings.mcp_server:
+        label, _, url = entry.partition("=")
+        servers.append(McpServerConfig(label=label, url=url))
+    if demo:
+        from middleware.demo_tools import create_demo_server
+
+        servers.append(McpServerConfig(label="demo", app=create_demo_server()))
+    return ToolCatalog(
+        servers,
+        allow_prefixes=settings.mcp_allow,
+        list_ttl=settings.mcp_list_ttl,
+        connect_timeout=settings.upstream_connect_timeout,
     )
 
 
@@ -79,6 +99,7 @@ def create_app(
                 base_url,
             )
         state.upstream = upstream_factory(settings, base_url)
+        state.catalog = build_catalog(settings, demo=devmodel is not None)
         try:
             yield
         finally:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -207,7 +209,10 @@ class _Guard:
         try:
             request = loads_strict(raw)
         except JsonInvalid as exc:
-            raise _Answered(InvalidRequest(exc.message, code=exc.code, param=exc.param)) from None
+            param = exc.param
+            if exc.code == "invalid_number" and param is None:
+                param = nonfinite_number_path(raw)
+            raise _Answered(InvalidRequest(exc.message, code=exc.code, param=param)) from None
         if not isinstance(request, dict):
             raise _Answered(
                 InvalidRequest(
@@ -343,6 +348,25 @@ class _Guard:
             )
         if error.limit is not None:
             metrics.CAP_HITS.labels(limit=error.limit, outcome=outcome).inc()
+
+
+def nonfinite_number_path(raw: bytes) -> str | None:
+    """Where the first non-finite number of `raw` is (``temperature``, ``input[0].x``), if a
+    lenient parse finds one; None otherwise. Only called on the error path."""
+    try:
+        root = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path or None
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return None
 
 
 def vars_of(limits: Limits) -> dict[str, int]:

@@ -48,6 +48,25 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--keepalive-interval", type=float, help="seconds between SSE keep-alive comments (default 15)"
     )
     p.add_argument("--workers", type=int, help="worker processes (default 1)")
+    p.add_argument(
+        "--mcp-server",
+        action="append",
+        help="an operator MCP server, LABEL=URL (streamable HTTP); repeatable. Requests use it with "
+        '{"type":"mcp","server_label":"LABEL"}',
+    )
+    p.add_argument(
+        "--mcp-allow",
+        action="append",
+        help="URL prefix a client-declared MCP server_url must match; repeatable (default: none allowed)",
+    )
+    p.add_argument("--mcp-list-ttl", type=float, help="seconds a server's tools/list is cached (default 300)")
+    p.add_argument("--tool-timeout", type=float, help="seconds one gateway tool call may take (default 60)")
+    p.add_argument(
+        "--tool-concurrency", type=int, help="gateway tool calls in flight per request (default 5)"
+    )
+    p.add_argument(
+        "--tool-max-result-bytes", type=int, help="per-call tool result cap in bytes (default 262144)"
+    )
     p.add_argument("--log-level", help="critical, error, warning, info or debug (default info)")
     p.add_argument("--config", help="YAML or TOML file with settings (flags override it)")
 

@@ -50,9 +50,29 @@ class Settings:
     keepalive_interval: float = 15.0
     workers: int = 1
     log_level: str = "info"
+    mcp_server: tuple[str, ...] = ()
+    mcp_allow: tuple[str, ...] = ()
+    mcp_list_ttl: float = 300.0
+    tool_timeout: float = 60.0
+    tool_concurrency: int = 5
+    tool_max_result_bytes: int = 262_144
     config: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("mcp_server", "mcp_allow"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for entry in self.mcp_server:
+            label, sep, url = entry.partition("=")
+            if not sep or not label or not url.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"mcp_server entries must look like LABEL=http(s)://HOST/PATH, got {entry!r}"
+                )
+        if not 1 <= self.tool_concurrency <= 100:
+            raise ConfigError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
+        if not 1 <= self.tool_max_result_bytes <= 268_435_456:
+            raise ConfigError(
+                f"tool_max_result_bytes must be in 1..=268435456, got {self.tool_max_result_bytes}"
+            )
         try:
             Limits(max_infer_iters=self.max_infer_iters, max_retained_bytes=self.max_retained_bytes)
         except ValueError as exc:
@@ -63,6 +83,8 @@ class Settings:
             "upstream_deadline",
             "client_body_timeout",
             "keepalive_interval",
+            "mcp_list_ttl",
+            "tool_timeout",
         ):
             value = getattr(self, name)
             if not value > 0:
@@ -108,6 +130,12 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     kind = FIELDS[name].type
     if value is None:
         return None
+    if kind == "tuple[str, ...]":
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{name} from {source} must be a list of strings, got {value!r}")
     try:
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from middleware import metrics
+from middleware.agent import AgentLoop, read_limited, upstream_error_event
 from middleware.budget_mw import context_of
 from middleware.context import RequestContext
 from middleware.errors import GatewayError
@@ -30,21 +31,7 @@ from middleware.stream import (
 )
 from middleware.upstream import UpstreamResponse, upstream_status_error
 
-ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body read to build the envelope
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-
-
-def upstream_error_event(obj: dict[str, Any]) -> GatewayError:
-    """An in-band upstream ``error`` event as the §5 outcome (its code and message kept).
-
-    Accepts the flat ``ResponseErrorEvent`` shape and the nested ``{"error": {...}}`` one.
-    """
-    metrics.UPSTREAM_ERRORS.labels(kind="stream_error").inc()
-    raw_nested = obj.get("error")
-    nested: dict[str, Any] = raw_nested if isinstance(raw_nested, dict) else {}
-    message = obj.get("message") or nested.get("message") or "upstream reported an error"
-    code = obj.get("code") or nested.get("code") or nested.get("type") or "upstream_error"
-    return GatewayError(str(message), status=502, code=str(code))
 
 
 class ResponsesApp:
@@ -54,7 +41,17 @@ class ResponsesApp:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _Exchange(self.state, context_of(scope), send).run()
+        ctx = context_of(scope)
+        tools = ctx.request.get("tools")
+        if isinstance(tools, list) and any(isinstance(t, dict) and t.get("type") == "mcp" for t in tools):
+            assert self.state.catalog is not None, "the lifespan creates the tool catalog"
+            resolved = await self.state.catalog.resolve(tools)
+            await AgentLoop(self.state, ctx, send, resolved).run()
+            return
+        try:
+            await _Exchange(self.state, ctx, send).run()
+        finally:
+            metrics.INFERENCE_ROUNDS.observe(ctx.rounds)
 
 
 class _Exchange:
@@ -72,7 +69,7 @@ class _Exchange:
         response = await upstream.post("/responses", self.ctx.raw, stream=self.ctx.stream)
         try:
             if response.status_code >= 400:
-                raise upstream_status_error(response.status_code, await _read_limited(response))
+                raise upstream_status_error(response.status_code, await read_limited(response))
             is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
             if self.ctx.stream and is_sse:
                 await self._forward_stream(response)
@@ -161,14 +158,3 @@ class _Exchange:
         raise GatewayError(
             "upstream stream ended without a terminal event", status=502, code="upstream_incomplete"
         )
-
-
-async def _read_limited(response: UpstreamResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in response.chunks():
-        parts.append(chunk[: limit - size])
-        size += len(chunk)
-        if size >= limit:
-            break
-    return b"".join(parts)

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from middleware.config import Settings
 from middleware.upstream import UpstreamClient
 
+if TYPE_CHECKING:
+    from middleware.tools import ToolCatalog
+
 
 @dataclasses.dataclass
 class GatewayState:
-    """The settings and the process's upstream client (None until the lifespan has started)."""
+    """The settings, the process's upstream client and its MCP tool catalog (both None until the
+    lifespan has started)."""
 
     settings: Settings
     upstream: UpstreamClient | None = None
+    catalog: ToolCatalog | None = None

@@ -178,9 +178,10 @@ def test_b17b_chunked_50_mib_stops_reading_at_the_clamp(upstream: MockUpstream) 
         r = httpx.post(url + "/v1/responses", content=body(), timeout=30)
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
-    # at most the clamp plus the one receive() message that crossed it
+    # At most the clamp plus the one receive() message that crossed it. uvicorn hands the app
+    # what it buffered meanwhile: up to its 64 KiB high-water mark plus one socket read.
     assert counter.body_bytes <= B // 32 + counter.largest_message
-    assert counter.largest_message <= chunk + 1024
+    assert counter.largest_message <= 2 * chunk + 1024
     assert upstream.requests == []
     assert m.delta("loopwarden_cap_hits_total", limit="request_body", outcome="413") == 1
 

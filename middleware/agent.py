@@ -1,0 +1,630 @@
+"""The agentic loop for a request that declares gateway-owned (MCP) tools (DESIGN.md §6).
+
+`AgentLoop.run()` makes inference calls until `classify_round` says stop: it sends each round
+upstream with the MCP tools exposed as function tools, runs the gateway-owned calls through
+`middleware.tools.run_tool_calls` (timeouts, bounded fan-out, result cap, ledger charge), feeds
+their outputs back, and answers once:
+
+* buffered: one response object whose ``output`` holds the ``mcp_list_tools`` items, each round's
+  visible items and an ``mcp_call`` item per executed gateway call (usage summed over rounds);
+* streamed: one logical SSE stream (`StreamStitcher`) — one ``response.created`` and
+  ``response.in_progress``, a stable gateway response id, ``sequence_number`` from 0,
+  ``output_index`` offset by earlier rounds, gateway ``function_call`` events hidden and replaced by
+  ``mcp_call`` lifecycle events, exactly one terminal event.
+
+Within a round, the visible items keep their order and the round's ``mcp_call`` items follow them.
+Failures are raised for the middleware to answer: `LoopDetected` becomes 508
+``max_infer_iters_exceeded`` (or one SSE error frame after commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from starlette.types import Send
+
+from middleware import metrics
+from middleware.context import RequestContext
+from middleware.errors import GatewayError
+from middleware.loop import (
+    Continue,
+    Done,
+    Incomplete,
+    LoopDetected,
+    RequiresClientAction,
+    RoundState,
+    classify_round,
+)
+from middleware.sse import KEEPALIVE, encode_event
+from middleware.state import GatewayState
+from middleware.stream import (
+    TERMINAL_EVENTS,
+    StreamAccumulator,
+    UpstreamEvent,
+    invalid,
+    read_buffered_body,
+    read_stream_events,
+)
+from middleware.tools import ResolvedTools, ToolOutcome, run_tool_calls
+from middleware.upstream import UpstreamResponse, upstream_status_error
+
+T = TypeVar("T")
+LIFECYCLE = frozenset({"response.created", "response.in_progress", "response.queued"})
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+ERROR_BODY_LIMIT = 64 * 1024
+
+
+def new_id(prefix: str) -> str:
+    """A fresh opaque id such as ``resp_<32 hex>``."""
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def upstream_error_event(obj: dict[str, Any]) -> GatewayError:
+    """An in-band upstream ``error`` event as the §5 outcome (502, its code and message kept).
+
+    Accepts the flat ``ResponseErrorEvent`` shape and the nested ``{"error": {...}}`` one; counts
+    ``loopwarden_upstream_errors_total{kind="stream_error"}``.
+    """
+    metrics.UPSTREAM_ERRORS.labels(kind="stream_error").inc()
+    raw_nested = obj.get("error")
+    nested: dict[str, Any] = raw_nested if isinstance(raw_nested, dict) else {}
+    message = obj.get("message") or nested.get("message") or "upstream reported an error"
+    code = obj.get("code") or nested.get("code") or nested.get("type") or "upstream_error"
+    return GatewayError(str(message), status=502, code=str(code))
+
+
+async def read_limited(response: UpstreamResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
+    """At most `limit` bytes of an upstream body (for error envelopes)."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.chunks():
+        parts.append(chunk[: limit - size])
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)
+
+
+def sum_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None:
+    """Add one round's ``usage`` object into `total` (integers summed, nested details too)."""
+    if not isinstance(usage, dict):
+        return total
+    out: dict[str, Any] = dict(total or {})
+    for key, value in usage.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            prior = out.get(key)
+            out[key] = (prior if isinstance(prior, int) else 0) + value
+        elif isinstance(value, dict):
+            prior_dict = out.get(key)
+            out[key] = sum_usage(prior_dict if isinstance(prior_dict, dict) else None, value)
+        elif key not in out:
+            out[key] = value
+    return out
+
+
+def as_input_items(value: Any) -> list[dict[str, Any]]:
+    """The request's ``input`` as a list of items (a string becomes one user message)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if isinstance(value, list):
+        return [item for item in value if isinstance(item, dict)]
+    return []
+
+
+SECRET_TOOL_FIELDS = ("headers", "authorization")
+
+
+def public_tools(tools: Any) -> list[Any]:
+    """The request's ``tools`` as echoed in a response: MCP ``headers`` / ``authorization`` are
+    secrets sent to that server only, so they are shown as null (DESIGN.md §6)."""
+    if not isinstance(tools, list):
+        return []
+    out: list[Any] = []
+    for tool in tools:
+        if (
+            isinstance(tool, dict)
+            and tool.get("type") == "mcp"
+            and any(k in tool for k in SECRET_TOOL_FIELDS)
+        ):
+            tool = {k: (None if k in SECRET_TOOL_FIELDS else v) for k, v in tool.items()}
+        out.append(tool)
+    return out
+
+
+def mcp_call_item(
+    call: dict[str, Any], outcome: ToolOutcome, server_label: str, name: str, item_id: str
+) -> dict[str, Any]:
+    """The client-visible ``mcp_call`` item of an executed gateway call."""
+    item: dict[str, Any] = {
+        "type": "mcp_call",
+        "id": item_id,
+        "server_label": server_label,
+        "name": name,
+        "arguments": call.get("arguments") if isinstance(call.get("arguments"), str) else "{}",
+        "output": outcome.output if outcome.error is None else None,
+        "error": None,
+        "status": "completed" if outcome.error is None else "failed",
+    }
+    if outcome.error is not None:
+        item["error"] = {
+            "type": "mcp_tool_execution_error",
+            "content": [{"type": "text", "text": outcome.output}],
+        }
+    return item
+
+
+class AgentLoop:
+    """The rounds of one request whose tools include gateway-owned MCP tools.
+
+    ``state``: process state (settings, upstream client); ``ctx``: the admitted request;
+    ``send``: the ASGI send (wrapped by the middleware); ``resolved``: the request's tools.
+    """
+
+    def __init__(self, state: GatewayState, ctx: RequestContext, send: Send, resolved: ResolvedTools) -> None:
+        self.state = state
+        self.ctx = ctx
+        self.send = send
+        self.resolved = resolved
+        self.response_id = new_id("resp")
+        self.request = ctx.request
+        self.original_input = as_input_items(self.request.get("input"))
+        self.replay: list[dict[str, Any]] = []  # this request's items, appended to the input upstream
+        self.items: list[dict[str, Any]] = list(resolved.list_items)  # what the client sees
+        self.usage: dict[str, Any] | None = None
+        self.tool_calls_used = 0
+        max_tool_calls = self.request.get("max_tool_calls")
+        self.max_tool_calls: int | None = max_tool_calls if isinstance(max_tool_calls, int) else None
+        self.stitcher = StreamStitcher(self) if ctx.stream else None
+
+    # -- the loop --------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            while True:
+                self.ctx.rounds += 1
+                terminal, output = await self._round(self._upstream_body())
+                self.usage = sum_usage(self.usage, terminal.get("usage"))
+                gateway_calls, client_calls, approvals = self._split_calls(output)
+                left = (
+                    None
+                    if self.max_tool_calls is None
+                    else max(0, self.max_tool_calls - self.tool_calls_used)
+                )
+                details = terminal.get("incomplete_details")
+                decision = classify_round(
+                    RoundState(
+                        status=str(terminal.get("status") or "completed"),
+                        incomplete_reason=details.get("reason") if isinstance(details, dict) else None,
+                        gateway_calls=gateway_calls,
+                        client_calls=client_calls + approvals,
+                        tool_calls_left=left,
+                        inference_calls=self.ctx.rounds,
+                        max_infer_iters=self.ctx.limits.max_infer_iters,
+                    )
+                )
+                if isinstance(decision, LoopDetected):
+                    raise GatewayError(
+                        f"the model still called gateway tools after {decision.inference_calls} inference calls "
+                        f"(max_infer_iters={self.ctx.limits.max_infer_iters}); raise max_infer_iters or change the "
+                        "prompt or tools so that the model can finish",
+                        status=508,
+                        code="max_infer_iters_exceeded",
+                        retryable=False,
+                        limit="max_infer_iters",
+                    )
+                run: tuple[dict[str, Any], ...] = () if isinstance(decision, Done) else decision.run
+                omitted = decision.omitted if isinstance(decision, Incomplete) else ()
+                outcomes = await self._run_tools(run)
+                self.tool_calls_used += len(run)
+                pending = approvals if isinstance(decision, RequiresClientAction) else []
+                await self._record_round(output, run, outcomes, omitted, pending)
+                if isinstance(decision, Continue):
+                    continue
+                if isinstance(decision, Incomplete) and decision.reason == "max_tool_calls":
+                    metrics.CAP_HITS.labels(limit="max_tool_calls", outcome="incomplete").inc()
+                await self._finish(terminal, decision)
+                return
+        finally:
+            metrics.INFERENCE_ROUNDS.observe(self.ctx.rounds)
+
+    def _split_calls(
+        self, output: Sequence[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+        """(gateway calls that may run, client-owned calls, gateway calls awaiting approval)."""
+        gateway: list[dict[str, Any]] = []
+        client: list[dict[str, Any]] = []
+        approvals: list[dict[str, Any]] = []
+        for item in output:
+            if item.get("type") != "function_call":
+                if item.get("type") in (
+                    "custom_tool_call",
+                    "computer_call",
+                    "local_shell_call",
+                    "shell_call",
+                ):
+                    client.append(item)
+                continue
+            tool = self.resolved.gateway_tool(str(item.get("name")))
+            if tool is None:
+                client.append(item)
+            elif tool.require_approval:
+                approvals.append(item)
+            else:
+                gateway.append(item)
+        return gateway, client, approvals
+
+    def _upstream_body(self) -> bytes:
+        body = dict(self.request)
+        body["tools"] = self.resolved.upstream_tools
+        body["input"] = self.original_input + self.replay
+        body.pop("max_tool_calls", None)
+        include = body.get("include")
+        include = list(include) if isinstance(include, list) else []
+        if "reasoning.encrypted_content" not in include:
+            include.append("reasoning.encrypted_content")
+        body["include"] = include
+        if self.ctx.rounds > 1:
+            body["tool_choice"] = "auto"
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    async def _run_tools(self, calls: Sequence[dict[str, Any]]) -> list[ToolOutcome]:
+        if not calls:
+            return []
+        settings = self.state.settings
+        if self.stitcher is not None:
+            for call in calls:
+                await self.stitcher.announce_call(call)
+        work = run_tool_calls(
+            self.resolved,
+            list(calls),
+            ledger=self.ctx.ledger,
+            timeout=settings.tool_timeout,
+            concurrency=settings.tool_concurrency,
+            max_result_bytes=settings.tool_max_result_bytes,
+        )
+        return await self._with_keepalive(work)
+
+    async def _with_keepalive(self, work: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.state.settings.keepalive_interval)
+                if done:
+                    return task.result()
+                if self.ctx.committed:
+                    await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _record_round(
+        self,
+        output: Sequence[dict[str, Any]],
+        run: Sequence[dict[str, Any]],
+        outcomes: Sequence[ToolOutcome],
+        omitted: Sequence[dict[str, Any]],
+        approvals: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        """Append the round's items: replayed upstream next round, shown to the client now.
+
+        Executed gateway calls become ``mcp_call`` items (after the round's visible items);
+        calls awaiting approval become ``mcp_approval_request`` items; omitted calls vanish.
+        """
+        ran = {id(call): outcome for call, outcome in zip(run, outcomes, strict=True)}
+        skipped = {id(call) for call in omitted}
+        pending = {id(call) for call in approvals}
+        calls: list[dict[str, Any]] = []
+        start = len(self.replay)
+        for item in output:
+            if id(item) in ran:
+                outcome = ran[id(item)]
+                self.replay.append(item)
+                self.replay.append(
+                    {"type": "function_call_output", "call_id": item.get("call_id"), "output": outcome.output}
+                )
+                calls.append(item)
+            elif id(item) in skipped or id(item) in pending:
+                continue
+            else:
+                self.replay.append(item)
+                self.items.append(item)
+        self.ctx.ledger.admit_accumulated(json.dumps(self.replay[start:], separators=(",", ":")).encode())
+        for call in calls:
+            outcome = ran[id(call)]
+            tool = self.resolved.gateway_tool(str(call.get("name")))
+            assert tool is not None
+            item_id = self.stitcher.call_ids.get(id(call)) if self.stitcher is not None else None
+            item = mcp_call_item(call, outcome, tool.server_label, tool.name, item_id or new_id("mcp"))
+            self.items.append(item)
+            if self.stitcher is not None:
+                await self.stitcher.finish_call(call, item)
+        for call in approvals:
+            tool = self.resolved.gateway_tool(str(call.get("name")))
+            assert tool is not None
+            request = {
+                "type": "mcp_approval_request",
+                "id": new_id("mcpr"),
+                "server_label": tool.server_label,
+                "name": tool.name,
+                "arguments": call.get("arguments") if isinstance(call.get("arguments"), str) else "{}",
+            }
+            self.items.append(request)
+            if self.stitcher is not None:
+                await self.stitcher.add_item(request)
+
+    def _final_response(self, terminal: dict[str, Any], decision: Any) -> dict[str, Any]:
+        final = dict(terminal)
+        final["id"] = self.response_id
+        final["object"] = "response"
+        final["output"] = self.items
+        final["tools"] = public_tools(self.request.get("tools"))
+        final["tool_choice"] = self.request.get("tool_choice", "auto")
+        if self.usage is not None:
+            final["usage"] = self.usage
+        if isinstance(decision, Incomplete):
+            final["status"] = "incomplete"
+            final["incomplete_details"] = {"reason": decision.reason}
+        elif final.get("status") in (None, "in_progress"):
+            final["status"] = "completed"
+        return final
+
+    async def _finish(self, terminal: dict[str, Any], decision: Any) -> None:
+        final = self._final_response(terminal, decision)
+        self.ctx.stored_status = str(final.get("status"))
+        raw = json.dumps(final, separators=(",", ":")).encode()
+        self.ctx.ledger.admit_terminal(raw)
+        if self.stitcher is not None:
+            await self.stitcher.terminal(final)
+            return
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self.send({"type": "http.response.body", "body": raw})
+
+    # -- one round -------------------------------------------------------------------------
+    async def _round(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        upstream = self.state.upstream
+        assert upstream is not None
+        response = await upstream.post("/responses", body, stream=self.ctx.stream)
+        try:
+            if response.status_code >= 400:
+                raise upstream_status_error(response.status_code, await read_limited(response))
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                return await self._round_stream(response)
+            return await self._round_buffered(response)
+        finally:
+            await response.aclose()
+
+    async def _round_buffered(
+        self, response: UpstreamResponse
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        raw, charge = await read_buffered_body(response, self.ctx.ledger)
+        try:
+            parsed = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise invalid("upstream answered with a body that is not JSON") from None
+        if not isinstance(parsed, dict):
+            raise invalid("upstream answered with JSON that is not a response object")
+        output = parsed.get("output")
+        items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
+        self.ctx.ledger.release(charge)
+        if self.stitcher is not None:  # a buffered answer to a streamed round: replay it as events
+            await self.stitcher.synthesize(parsed, items)
+        return parsed, items
+
+    async def _round_stream(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        acc = StreamAccumulator(self.ctx.ledger)
+        events = read_stream_events(
+            response,
+            self.ctx.ledger,
+            keepalive=self._keepalive,
+            keepalive_interval=self.state.settings.keepalive_interval,
+        )
+        async for event in events:
+            if event.type == "error":
+                raise upstream_error_event(event.obj)
+            acc.apply(event)
+            if self.stitcher is not None:
+                await self.stitcher.forward(event)
+            if event.type in TERMINAL_EVENTS:
+                break
+        if acc.terminal is None:
+            raise GatewayError(
+                "upstream stream ended without a terminal event", status=502, code="upstream_incomplete"
+            )
+        terminal, output = acc.terminal, acc.output()
+        acc.release_all()
+        return terminal, output
+
+    async def _keepalive(self) -> None:
+        if self.ctx.committed:
+            await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+
+
+class StreamStitcher:
+    """Turns the SSE events of every round into one logical client stream (DESIGN.md §6)."""
+
+    def __init__(self, loop: AgentLoop) -> None:
+        self.loop = loop
+        self.ctx = loop.ctx
+        self.next_index = 0
+        self.created = False  # response.created sent
+        self.started = False  # the first round's lifecycle events are through; mcp_list_tools sent
+        self.listed = False
+        self.round_map: dict[int, int | None] = {}  # upstream output_index -> client index (None: hidden)
+        self.call_ids: dict[int, str] = {}  # id(function_call item) -> mcp_call item id
+        self.call_index: dict[int, int] = {}
+
+    async def _emit(self, event_type: str, obj: dict[str, Any]) -> None:
+        if not self.ctx.committed:
+            await self.loop.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        obj["sequence_number"] = self.ctx.next_sequence
+        self.ctx.next_sequence += 1
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        await self.loop.send(
+            {"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True}
+        )
+
+    def _public_response(self, response: dict[str, Any]) -> dict[str, Any]:
+        public = dict(response)
+        public["id"] = self.loop.response_id
+        public["tools"] = public_tools(self.loop.request.get("tools"))
+        public["tool_choice"] = self.loop.request.get("tool_choice", "auto")
+        return public
+
+    async def _list_tools(self) -> None:
+        if self.listed:
+            return
+        self.listed = True
+        for item in self.loop.resolved.list_items:
+            index = self.next_index
+            self.next_index += 1
+            await self._emit(
+                "response.output_item.added",
+                {"type": "response.output_item.added", "output_index": index, "item": item},
+            )
+            for kind in ("response.mcp_list_tools.in_progress", "response.mcp_list_tools.completed"):
+                await self._emit(kind, {"type": kind, "output_index": index, "item_id": item["id"]})
+            await self._emit(
+                "response.output_item.done",
+                {"type": "response.output_item.done", "output_index": index, "item": item},
+            )
+
+    async def _start(self, response: dict[str, Any]) -> None:
+        if not self.created:
+            self.created = True
+            created = {**self._public_response(response), "status": "in_progress", "output": []}
+            await self._emit("response.created", {"type": "response.created", "response": created})
+
+    async def forward(self, event: UpstreamEvent) -> None:
+        """Forward, rewrite or hide one upstream event of the current round (terminal events are held)."""
+        obj = event.obj
+        raw_response = obj.get("response")
+        response: dict[str, Any] = raw_response if isinstance(raw_response, dict) else {}
+        if event.type in LIFECYCLE:
+            if self.started:
+                return  # later rounds: one response.created / in_progress per client request
+            if event.type == "response.created":
+                await self._start(response)
+                return
+            await self._start(response)
+            obj["response"] = self._public_response(response)
+            await self._emit(event.type, obj)
+            if event.type == "response.in_progress":
+                self.started = True
+                await self._list_tools()
+            return
+        if event.type in TERMINAL_EVENTS:
+            self.round_map = {}
+            return
+        if not self.started:
+            await self._start(response)
+            self.started = True
+            await self._list_tools()
+        index = obj.get("output_index")
+        if event.type == "response.output_item.added" and isinstance(index, int):
+            item = obj.get("item")
+            hidden = (
+                isinstance(item, dict)
+                and item.get("type") == "function_call"
+                and self.loop.resolved.gateway_tool(str(item.get("name"))) is not None
+            )
+            if hidden:
+                self.round_map[index] = None
+                return
+            self.round_map[index] = self.next_index
+            self.next_index += 1
+        if isinstance(index, int):
+            mapped = self.round_map.get(index)
+            if mapped is None:
+                return
+            obj["output_index"] = mapped
+        if isinstance(obj.get("response"), dict):
+            obj["response"] = self._public_response(obj["response"])
+        await self._emit(event.type, obj)
+
+    async def synthesize(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        """Emit events for a buffered upstream answer (a server that ignored ``stream``)."""
+        if not self.started:
+            await self._start(response)
+            self.started = True
+            await self._list_tools()
+        for item in items:
+            if (
+                item.get("type") == "function_call"
+                and self.loop.resolved.gateway_tool(str(item.get("name"))) is not None
+            ):
+                continue
+            index = self.next_index
+            self.next_index += 1
+            await self._emit(
+                "response.output_item.added",
+                {"type": "response.output_item.added", "output_index": index, "item": item},
+            )
+            await self._emit(
+                "response.output_item.done",
+                {"type": "response.output_item.done", "output_index": index, "item": item},
+            )
+
+    async def add_item(self, item: dict[str, Any]) -> None:
+        """A complete item the gateway made (an approval request): added and done at once."""
+        index = self.next_index
+        self.next_index += 1
+        await self._emit(
+            "response.output_item.added",
+            {"type": "response.output_item.added", "output_index": index, "item": item},
+        )
+        await self._emit(
+            "response.output_item.done",
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        )
+
+    async def announce_call(self, call: dict[str, Any]) -> None:
+        """An ``mcp_call`` item is added (in progress) for a gateway call about to run."""
+        tool = self.loop.resolved.gateway_tool(str(call.get("name")))
+        assert tool is not None
+        item_id = new_id("mcp")
+        index = self.next_index
+        self.next_index += 1
+        self.call_ids[id(call)] = item_id
+        self.call_index[id(call)] = index
+        item = {
+            "type": "mcp_call",
+            "id": item_id,
+            "server_label": tool.server_label,
+            "name": tool.name,
+            "arguments": call.get("arguments") if isinstance(call.get("arguments"), str) else "{}",
+            "status": "in_progress",
+        }
+        await self._emit(
+            "response.output_item.added",
+            {"type": "response.output_item.added", "output_index": index, "item": item},
+        )
+        await self._emit(
+            "response.mcp_call.in_progress",
+            {"type": "response.mcp_call.in_progress", "output_index": index, "item_id": item_id},
+        )
+
+    async def finish_call(self, call: dict[str, Any], item: dict[str, Any]) -> None:
+        """The ``mcp_call`` of an executed gateway call completes (or fails)."""
+        index = self.call_index[id(call)]
+        kind = "response.mcp_call.completed" if item["status"] == "completed" else "response.mcp_call.failed"
+        await self._emit(kind, {"type": kind, "output_index": index, "item_id": item["id"]})
+        await self._emit(
+            "response.output_item.done",
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        )
+
+    async def terminal(self, final: dict[str, Any]) -> None:
+        """The one terminal event, then the end of the stream."""
+        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+            str(final.get("status")), "response.completed"
+        )
+        await self._emit(kind, {"type": kind, "response": final})
+        await self.loop.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+LoopFactory = Callable[[GatewayState, RequestContext, Send, ResolvedTools], AgentLoop]
