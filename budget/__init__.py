@@ -1,0 +1,45 @@
+"""Retained-bytes budgeting for one request: limits, charge model, ledger, JSON node counting.
+
+Pure and synchronous: no I/O, no event loop, nothing from `middleware`, Starlette or httpx.
+See DESIGN.md §3–§4 and the README section "Charge models".
+
+Public API::
+
+    from budget import Limits, ChargeModel, Ledger, BudgetExceeded, count_json_nodes, JsonNodeCounter
+    from budget import loads_strict, JsonInvalid, JsonTooDeep, BudgetError, ChargePool, PoolExhausted
+"""
+
+from .errors import (
+    BudgetError,
+    BudgetExceeded,
+    ConfigError,
+    JsonInvalid,
+    JsonRejected,
+    JsonTooDeep,
+    Phase,
+    PoolExhausted,
+)
+from .jsonstrict import loads_strict
+from .ledger import ChargePool, Ledger
+from .limits import Limits
+from .model import ChargeModel
+from .nodes import DEFAULT_MAX_DEPTH, JsonNodeCounter, count_json_nodes
+
+__all__ = [
+    "DEFAULT_MAX_DEPTH",
+    "BudgetError",
+    "BudgetExceeded",
+    "ChargeModel",
+    "ChargePool",
+    "ConfigError",
+    "JsonInvalid",
+    "JsonNodeCounter",
+    "JsonRejected",
+    "JsonTooDeep",
+    "Ledger",
+    "Limits",
+    "Phase",
+    "PoolExhausted",
+    "count_json_nodes",
+    "loads_strict",
+]

@@ -1,0 +1,237 @@
+"""Strict parsing of an already admitted client JSON body (RFC 8259, plus the gateway's rules).
+
+`loads_strict` is what the gateway calls *after* a body was counted (depth capped at 128 by
+`JsonNodeCounter`) and admitted by the ledger. It is one `json.loads` with hooks, and refuses
+what Python's `json` accepts by default but a strict JSON consumer must not:
+
+=====================  =================================================================
+code                   refused
+=====================  =================================================================
+``invalid_json``       any syntax error (message gives line and column)
+``duplicate_key``      an object repeating a key at any depth, compared after unescaping, so
+                       ``{"model":"a","mod\\u0065l":"b"}`` is a duplicate; ``param`` is the path
+                       of the key, e.g. ``input[0].role``
+``invalid_unicode``    bytes that are not UTF-8; a lone UTF-16 surrogate escape such as
+                       ``"\\ud83d"`` or ``"\\ude00"`` in any string or key (a valid pair
+                       ``"\\ud83d\\ude00"`` is fine); ``param`` is the string's path
+``invalid_number``     ``NaN``, ``Infinity``, ``-Infinity``; numbers that overflow a double
+                       (``1e400``); integers longer than the interpreter converts
+=====================  =================================================================
+
+Whether the top level is an object is the caller's check, not this module's. Deep input does
+not crash: a `RecursionError` inside the parser becomes `JsonTooDeep`.
+
+Cost: one strict UTF-8 decode and one `json.loads` whose only Python hook runs once per JSON
+object; the surrogate and overflow checks are regex scans of the text that fire only on
+suspicious input (then a second, slower pass finds the exact place). Measured against plain
+``json.loads`` in bench/ledger.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Iterator
+from typing import Final, NoReturn
+
+from .errors import JsonInvalid, JsonTooDeep
+from .nodes import DEFAULT_MAX_DEPTH, JsonNodeCounter
+
+__all__ = ["loads_strict"]
+
+_H2: Final = rb"[0-9a-fA-F]{2}"
+# A lone surrogate escape, or an escaped backslash before surrogate-like text (which can turn a
+# textual pair into a lone half). Exact in one direction: whenever the parsed result holds a lone
+# surrogate this matches (valid pairs alone never do); a match only triggers the exact check.
+# Searched on the raw bytes (escapes are ASCII); every branch starts with the literal "\u[dD]".
+_SURROGATE_HINT: Final = re.compile(
+    rb"\\u[dD](?:"
+    + (rb"[89abAB]" + _H2 + rb"(?!\\u[dD][c-fC-F]" + _H2 + rb")")  # a high half, no low half next
+    + (
+        rb"|[c-fC-F]" + _H2 + rb"(?<!\\u[dD][89abAB]" + _H2 + rb"\\u[dD][c-fC-F]" + _H2 + rb")"
+    )  # a low half alone
+    + rb"|(?<=\\\\u[dD])[89a-fA-F]"  # after an escaped backslash "\u..." is text, not an escape
+    + rb")"
+)
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+# A float can overflow a double only with an exponent of 100 or more, or 200+ digits in a row.
+_BIG_EXPONENT: Final = re.compile(rb"[eE]\+?0*[1-9][0-9]{2}")
+_DIGIT_CLASS: Final = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
+_LONG_DIGITS: Final = b"0" * 200
+_IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+PathPart = str | int
+
+
+class _DuplicateKey(Exception):
+    """Internal: aborts the first parse at the first object with a repeated key."""
+
+
+def _pairs_strict(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _DuplicateKey
+    return obj
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise JsonInvalid("invalid_number", f"{name} is not a valid JSON number; send a finite number or null")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise JsonInvalid(
+            "invalid_number", f"number {shown} is out of range for a double; send a smaller number"
+        )
+    return value
+
+
+def format_path(parts: tuple[PathPart, ...]) -> str:
+    """Render a JSON path the way API errors name params: ``input[0].role``, ``metadata["a b"]``."""
+    out: list[str] = []
+    for part in parts:
+        if isinstance(part, int):
+            out.append(f"[{part}]")
+        elif _IDENTIFIER.match(part):
+            out.append(f".{part}" if out else part)
+        else:
+            out.append(f"[{json.dumps(part)}]")
+    return "".join(out)
+
+
+def _walk(root: object) -> Iterator[tuple[tuple[PathPart, ...], object, bool]]:
+    """Yield (path, value, is_key) for every key and value under ``root``, depth first, in
+    document order; iterative (no recursion limit)."""
+    stack: list[tuple[tuple[PathPart, ...], object]] = [((), root)]
+    while stack:
+        path, value = stack.pop()
+        yield path, value, False
+        if isinstance(value, dict):
+            children: list[tuple[tuple[PathPart, ...], object]] = []
+            for key, child in value.items():
+                child_path = (*path, key)
+                yield child_path, key, True
+                children.append((child_path, child))
+            stack.extend(reversed(children))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), child) for i, child in reversed(list(enumerate(value))))
+
+
+# Built once: `json.loads(..., **hooks)` would build a decoder per call, and the decoder and its
+# scanner form a reference cycle (about 1 KiB of garbage per call until the cycle collector runs).
+_STRICT: Final = json.JSONDecoder(object_pairs_hook=_pairs_strict, parse_constant=_reject_constant)
+_STRICT_FINITE: Final = json.JSONDecoder(
+    object_pairs_hook=_pairs_strict, parse_constant=_reject_constant, parse_float=_finite_float
+)
+
+
+def _parse(text: str, decoder: json.JSONDecoder) -> object:
+    """Decode with ``decoder``; every parser failure becomes a `JsonRejected`."""
+    try:
+        return decoder.decode(text)
+    except json.JSONDecodeError as exc:
+        raise JsonInvalid(
+            "invalid_json", f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from None
+    except RecursionError:
+        counter = JsonNodeCounter(max_depth=sys.maxsize)
+        counter.feed(text.encode("utf-8", "surrogatepass"))
+        seen = counter.max_depth_seen
+        raise JsonTooDeep(depth=seen, max_depth=min(DEFAULT_MAX_DEPTH, max(seen - 1, 1))) from None
+    except ValueError:  # int() digit limit: "Exceeds the limit (4300 digits) ..."
+        raise JsonInvalid(
+            "invalid_number",
+            f"an integer has more than {sys.get_int_max_str_digits()} digits; send a shorter number",
+        ) from None
+
+
+def _duplicate_error(text: str) -> JsonInvalid:
+    """Second pass after a duplicate key: find the first repeated key and its path. Other errors
+    later in the document (syntax, numbers) are raised instead, since they make it invalid JSON."""
+    marker: list[object] = []
+
+    class _Repeated:
+        __slots__ = ("key",)
+
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+    def hook(pairs: list[tuple[str, object]]) -> object:
+        obj = dict(pairs)
+        if len(obj) != len(pairs) and not marker:
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    found = _Repeated(key)
+                    marker.append(found)
+                    return found
+                seen.add(key)
+        return obj
+
+    decoder = json.JSONDecoder(
+        object_pairs_hook=hook, parse_constant=_reject_constant, parse_float=_finite_float
+    )
+    root = _parse(text, decoder)
+    target = marker[0]
+    assert isinstance(target, _Repeated)
+    for path, value, is_key in _walk(root):
+        if value is target and not is_key:
+            param = format_path((*path, target.key))
+            return JsonInvalid(
+                "duplicate_key",
+                f"duplicate key {json.dumps(target.key)} at {param}; send each key once per object",
+                param=param,
+            )
+    raise AssertionError("duplicate marker not found")  # pragma: no cover
+
+
+def _lone_surrogate(value: object) -> tuple[tuple[PathPart, ...], str] | None:
+    for path, item, _ in _walk(value):
+        if isinstance(item, str):
+            m = _SURROGATE.search(item)
+            if m is not None:
+                return path, m.group()
+    return None
+
+
+def loads_strict(data: bytes | bytearray | memoryview) -> object:
+    """Parse a UTF-8 JSON payload strictly; return the value (any JSON type).
+
+    Raises `JsonInvalid` with ``code`` ``invalid_json``, ``duplicate_key``, ``invalid_unicode`` or
+    ``invalid_number`` (see the module docstring) and `JsonTooDeep` if the interpreter's recursion
+    limit is hit. When several problems exist, syntax and number errors win over duplicate keys,
+    which win over lone surrogates.
+    """
+    raw = data if isinstance(data, bytes) else bytes(data)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - raw.rfind(b"\n", 0, exc.start)
+        raise JsonInvalid(
+            "invalid_unicode",
+            f"the payload is not valid UTF-8: byte 0x{raw[exc.start]:02x} at line {line}, column {column} "
+            f"({exc.reason}); send UTF-8",
+        ) from None
+    finite = _BIG_EXPONENT.search(raw) is not None or _LONG_DIGITS in raw.translate(_DIGIT_CLASS)
+    try:
+        value = _parse(text, _STRICT_FINITE if finite else _STRICT)
+    except _DuplicateKey:
+        raise _duplicate_error(text) from None
+    if _SURROGATE_HINT.search(raw) is not None:
+        found = _lone_surrogate(value)
+        if found is not None:
+            path, char = found
+            param = format_path(path) or None
+            where = f" at {param}" if param else ""
+            raise JsonInvalid(
+                "invalid_unicode",
+                f"lone UTF-16 surrogate \\u{ord(char):04x}{where}; escape characters outside the "
+                "Basic Multilingual Plane as a surrogate pair, or send them as UTF-8",
+                param=param,
+            )
+    return value
