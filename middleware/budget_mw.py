@@ -44,6 +44,8 @@ from middleware.validate import validate_request
 log = logging.getLogger("loopwarden")
 
 MAX_JSON_DEPTH = 128
+# Upstream failures detected while reading a body or stream -> loopwarden_upstream_errors_total{kind}.
+UPSTREAM_FAILURE_KINDS = {"upstream_invalid_response": "protocol", "upstream_incomplete": "eof"}
 LIMIT_HEADERS = {
     b"loopwarden-max-retained-bytes": "max_retained_bytes",
     b"loopwarden-max-infer-iters": "max_infer_iters",
@@ -141,6 +143,7 @@ class _Guard:
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(status=str(self.status or 499), model=self.model_label).inc()
             if self.ledger is not None:
+                self.ledger.release_all()  # the request is over: nothing it charged is retained
                 metrics.RETAINED_PEAK.observe(self.ledger.peak)
                 metrics.RETAINED_UTILIZATION.observe(self.ledger.peak / self.ledger.limit)
 
@@ -201,7 +204,8 @@ class _Guard:
         # Store is on unless the client says "store": false. The body is admitted as if it were on
         # (the larger charge) before it is parsed, and re-admitted at the single rate once known.
         nodes = counter.nodes
-        ledger = Ledger(limits.max_retained_bytes, store=True)
+        ledger = Ledger(limits.max_retained_bytes, store=True, pool=metrics.POOL)
+        self.ledger = ledger
         try:
             ledger.admit_input(raw, nodes=nodes)
         except BudgetExceeded as exc:
@@ -227,7 +231,9 @@ class _Guard:
             raise _Answered(error) from None
         store = request.get("store") is not False
         if not store:
-            ledger = Ledger(limits.max_retained_bytes, store=False)
+            ledger.release_all()
+            ledger = Ledger(limits.max_retained_bytes, store=False, pool=metrics.POOL)
+            self.ledger = ledger
             ledger.admit_input(raw, nodes=nodes)
         model_limits = self.mw.model_limits.get(request["model"])
         if model_limits is not None:
@@ -298,6 +304,9 @@ class _Guard:
         try:
             await self.mw.app(scope, self._no_receive, self.send)
         except GatewayError as error:
+            kind = UPSTREAM_FAILURE_KINDS.get(error.code)
+            if kind is not None:
+                metrics.UPSTREAM_ERRORS.labels(kind=kind).inc()
             await self._answer_error(error)
         except BudgetExceeded as exc:
             await self._answer_error(_budget_error(exc, status=502))

@@ -126,3 +126,86 @@ INFERENCE_ROUNDS = Histogram(
     "Inference calls (rounds) one client request made.",
     buckets=ROUNDS_BUCKETS,
 )
+INFLIGHT_RETAINED = Gauge(
+    "loopwarden_inflight_retained_bytes",
+    "Budget bytes charged by every request being served now (the sum of live ledgers).",
+)
+UPSTREAM_DURATION = Histogram(
+    "loopwarden_upstream_duration_seconds",
+    "Wall time of one upstream inference call, request sent to body closed (seconds).",
+    buckets=LATENCY_BUCKETS,
+)
+UPSTREAM_TTFB = Histogram(
+    "loopwarden_upstream_ttfb_seconds",
+    "Time from sending an upstream request to its first body byte (seconds).",
+    buckets=LATENCY_BUCKETS,
+)
+
+# (limit, outcome) pairs DESIGN.md §5 can produce; pre-initialised so dashboards show 0, not "No data".
+CAP_HIT_PAIRS = (
+    ("max_retained_bytes", "413"),
+    ("max_retained_bytes", "502"),
+    ("max_retained_bytes", "sse_error"),
+    ("request_body", "413"),
+    ("upstream_body", "502"),
+    ("max_infer_iters", "508"),
+    ("max_infer_iters", "sse_error"),
+    ("max_tool_calls", "incomplete"),
+    ("tool_timeout", "tool_error"),
+    ("client_body_timeout", "408"),
+    ("request_deadline", "504"),
+    ("request_deadline", "sse_error"),
+    ("admission", "503"),
+    ("admission", "413"),
+)
+UPSTREAM_ERROR_KINDS = (
+    "connect",
+    "timeout",
+    "eof",
+    "protocol",
+    "decode",
+    "status_4xx",
+    "status_5xx",
+    "stream_error",
+)
+TOOL_OUTCOMES = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
+
+
+def _preinitialise() -> None:
+    for limit, outcome in CAP_HIT_PAIRS:
+        CAP_HITS.labels(limit=limit, outcome=outcome)
+    for kind in UPSTREAM_ERROR_KINDS:
+        UPSTREAM_ERRORS.labels(kind=kind)
+    for outcome in TOOL_OUTCOMES:
+        TOOL_CALLS.labels(outcome=outcome)
+    for code in STREAM_ERROR_CODES:
+        STREAM_ERRORS.labels(code=code)
+
+
+_preinitialise()
+
+
+class InflightPool:
+    """The process-wide `budget.ChargePool` every request's ledger draws from.
+
+    It keeps the sum of live ledgers' charges (budget bytes) and mirrors it in
+    ``loopwarden_inflight_retained_bytes``. Unbounded for now: admission control (a bounded pool
+    that refuses) builds on it. Single event loop per process, so no lock is needed.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def try_take(self, nbytes: int) -> bool:
+        """Add ``nbytes`` to the in-flight total; always succeeds."""
+        self.total += nbytes
+        INFLIGHT_RETAINED.set(self.total)
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        """Subtract ``nbytes`` from the in-flight total."""
+        self.total -= nbytes
+        INFLIGHT_RETAINED.set(self.total)
+
+
+POOL = InflightPool()

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 import httpx
 
+from middleware import metrics
 from middleware.errors import GatewayError
 
 # Never copied from upstream to client (hop-by-hop and framing headers; RFC 9110 §7.6.1).
@@ -131,8 +133,13 @@ def _translate(exc: httpx.HTTPError, *, during: str, timeouts: httpx.Timeout) ->
 class _HttpxResponse:
     """`UpstreamResponse` over an httpx streaming response, with the whole-call deadline."""
 
-    def __init__(self, response: httpx.Response, deadline: float, timeouts: httpx.Timeout) -> None:
+    def __init__(
+        self, response: httpx.Response, deadline: float, timeouts: httpx.Timeout, started: float
+    ) -> None:
         self._response = response
+        self._started = started
+        self._first_byte = False
+        self._closed = False
         self._deadline = deadline
         self._timeouts = timeouts
         self.status_code = response.status_code
@@ -153,9 +160,15 @@ class _HttpxResponse:
             except httpx.HTTPError as exc:
                 raise _translate(exc, during="body", timeouts=self._timeouts) from None
             if chunk:
+                if not self._first_byte:
+                    self._first_byte = True
+                    metrics.UPSTREAM_TTFB.observe(time.monotonic() - self._started)
                 yield chunk
 
     async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            metrics.UPSTREAM_DURATION.observe(time.monotonic() - self._started)
         await self._response.aclose()
 
 
@@ -195,6 +208,7 @@ class HttpxUpstream:
         )
 
     async def post(self, path: str, body: bytes, *, stream: bool) -> UpstreamResponse:
+        started = time.monotonic()
         deadline = asyncio.get_running_loop().time() + self._deadline
         request = self._client.build_request(
             "POST",
@@ -211,14 +225,18 @@ class HttpxUpstream:
             ) from None
         except httpx.HTTPError as exc:
             raise _translate(exc, during="headers", timeouts=self._timeouts) from None
-        return _HttpxResponse(response, deadline, self._timeouts)
+        return _HttpxResponse(response, deadline, self._timeouts, started)
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
 
 def upstream_status_error(status: int, body: bytes) -> GatewayError:
-    """Normalise an upstream HTTP error answer into the §5 outcome (status, code, message)."""
+    """Normalise an upstream HTTP error answer into the §5 outcome (status, code, message).
+
+    Counts ``loopwarden_upstream_errors_total{kind="status_4xx"|"status_5xx"}``.
+    """
+    metrics.UPSTREAM_ERRORS.labels(kind="status_5xx" if status >= 500 else "status_4xx").inc()
     message, code, param = f"upstream answered HTTP {status}", None, None
     try:
         parsed = json.loads(body)
