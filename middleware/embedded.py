@@ -25,7 +25,8 @@ class BackgroundServer:
     def __init__(
         self, app: Any, *, host: str = "127.0.0.1", log_level: str = "warning", **config: Any
     ) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP lets asyncio set TCP_NODELAY on accepted connections (no 40 ms delayed-ACK stalls)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self.host = host

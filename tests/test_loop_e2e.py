@@ -506,7 +506,7 @@ def test_default_result_cap_turns_a_huge_result_into_an_error_output(
         response = client.responses.create(model="m", input="x", tools=[TOOLS_DECL])
     assert response.status == "completed"
     sent = outputs_sent(upstream, 1)["call_q"]
-    assert "262,144 bytes" in sent and "--tool-max-result-bytes" in sent and len(sent) < 1000
+    assert "per-call cap of 262,144 bytes" in sent and "--tool-max-result-bytes" in sent and len(sent) < 1000
     assert m.delta("loopwarden_tool_calls_total", outcome="too_large") == 1
 
 

@@ -1,0 +1,539 @@
+"""Gateway-owned tools: MCP servers exposed to the model as function tools (DESIGN.md §6).
+
+The loop controller uses three things, once per client request:
+
+1. ``resolved = await catalog.resolve(request["tools"])`` — `ToolCatalog` is created once per process
+   from the operator's servers and ``--mcp-allow`` prefixes; `resolve` turns the request's
+   ``{"type": "mcp", ...}`` tools into function tools for the upstream (`ResolvedTools.upstream_tools`)
+   and ``mcp_list_tools`` output items for the client (`ResolvedTools.list_items`).
+2. ``resolved.gateway_tool(call["name"])`` — a `GatewayTool` for a gateway-owned function call, or
+   None for a client-owned one (handed back to the client).
+3. ``await run_tool_calls(resolved, calls, ledger=...)`` — runs a round's gateway calls with the
+   §6 execution policy and returns one `ToolOutcome` per call, in call order (`tools_exec`).
+
+**Names.** The upstream sees each MCP tool under its own name. When two MCP servers declared in the
+same request both expose a tool of the same name (after ``allowed_tools``), *both* are renamed
+``LABEL__name`` (the server label, two underscores, the MCP name), so neither silently wins; other
+tools keep their names. A client ``function`` tool whose name equals a final MCP function name is a
+400 ``duplicate_tool_name``. ``mcp_list_tools`` items always show the MCP names.
+
+**Approval.** ``require_approval`` follows OpenAI's API: ``"always"`` (the default), ``"never"``, or a
+filter object ``{"always": F, "never": F}`` where ``F`` is ``{"tool_names": [...], "read_only": bool}``;
+a tool matched by ``always`` needs approval, else one matched by ``never`` does not, else it does.
+``F`` matches a tool when every key it has matches (``read_only`` compares the tool's
+``readOnlyHint`` annotation, absent = false); an empty ``F`` matches nothing. ``allowed_tools`` is a
+list of names or an ``F`` object (empty = every tool). The gateway only *records* the decision in
+`GatewayTool.require_approval`; the loop controller acts on it.
+
+**Errors** (all `GatewayError`, raised by `ToolCatalog.resolve` before anything is sent upstream):
+
+==================================  ======  ===========================  =============================
+situation                           status  code                         param
+==================================  ======  ===========================  =============================
+``server_label`` names no server    400     ``unknown_mcp_server``       ``tools``
+``server_url`` not on the allowlist 400     ``mcp_server_not_allowed``   ``tools``
+function tool name clashes          400     ``duplicate_tool_name``      ``tools``
+a label declared twice              400     ``duplicate_mcp_server``     ``tools``
+malformed field (label, url, …)     400     ``invalid_value``            ``tools``
+``tools/list`` fails or times out   502     ``mcp_server_unavailable``   ``tools``
+==================================  ======  ===========================  =============================
+
+A server that cannot be listed fails the whole request (502, retryable) rather than being dropped:
+the model would otherwise run without tools the client asked for and answer as if they did not
+exist. Messages name the server label, never a header value or a URL's query string.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import time
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import mcp_types
+
+from middleware.errors import GatewayError, InvalidRequest
+from middleware.tools_conn import (
+    Endpoint,
+    McpServerConfig,
+    UrlAllowlist,
+    normalize_url,
+    open_session,
+    redact_url,
+    validate_headers,
+    validate_label,
+)
+from middleware.tools_exec import ToolLedger, ToolOutcome, refuse_tool_call, run_tool_calls
+from middleware.tools_text import describe_exception, scrub_json, scrub_text
+
+__all__ = [
+    "GatewayTool",
+    "McpServerConfig",
+    "ResolvedTools",
+    "ToolCatalog",
+    "ToolLedger",
+    "ToolOutcome",
+    "refuse_tool_call",
+    "run_tool_calls",
+]
+
+log = logging.getLogger("loopwarden.tools")
+
+# A server whose tools/list needs more pages than this is treated as unavailable (a paginator
+# that never ends must not hang a request).
+MAX_LIST_PAGES: Final = 100
+
+
+@dataclass(frozen=True)
+class GatewayTool:
+    """One MCP tool as this request exposes it.
+
+    ``server_label`` — the request's label for its server; ``name`` — the tool's real MCP name
+    (what ``tools/call`` gets); ``function_name`` — the name the upstream model sees (``name``, or
+    ``LABEL__name`` when two declared servers share ``name``); ``require_approval`` — whether a call
+    must be approved by the client before it runs.
+    """
+
+    server_label: str
+    name: str
+    function_name: str
+    require_approval: bool
+
+
+@dataclass(frozen=True)
+class _ListedTool:
+    """One entry of a server's ``tools/list``, JSON-ready and scrubbed of lone surrogates."""
+
+    name: str
+    description: str | None
+    input_schema: dict[str, Any]
+    annotations: dict[str, Any] | None
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class _Filter:
+    """OpenAI's tool filter ``{"tool_names": [...], "read_only": bool}``; None fields match all."""
+
+    names: frozenset[str] | None = None
+    read_only: bool | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.names is None and self.read_only is None
+
+    def matches(self, tool: _ListedTool) -> bool:
+        return (self.names is None or tool.name in self.names) and (
+            self.read_only is None or tool.read_only == self.read_only
+        )
+
+
+@dataclass(frozen=True)
+class _Approval:
+    """A parsed ``require_approval``: a constant, or ``always`` / ``never`` filters."""
+
+    constant: bool | None
+    always: _Filter | None = None
+    never: _Filter | None = None
+
+    def required(self, tool: _ListedTool) -> bool:
+        if self.constant is not None:
+            return self.constant
+        if self.always is not None and not self.always.empty and self.always.matches(tool):
+            return True
+        return not (self.never is not None and not self.never.empty and self.never.matches(tool))
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """One ``{"type": "mcp"}`` entry of a request, validated."""
+
+    index: int
+    label: str
+    endpoint: Endpoint
+    cache_key: tuple[str, ...]
+    allowed: _Filter
+    approval: _Approval
+
+
+@dataclass(frozen=True)
+class _CacheEntry:
+    expires: float
+    tools: tuple[_ListedTool, ...]
+
+
+class ResolvedTools:
+    """The tools of one request after `ToolCatalog.resolve`.
+
+    * ``upstream_tools`` — the request's ``tools`` with each ``mcp`` entry replaced, in place, by one
+      ``{"type": "function", "name", "description", "parameters", "strict": False}`` per exposed MCP
+      tool (``parameters`` is the tool's ``inputSchema``); every other tool passed through unchanged;
+    * ``list_items`` — one ``{"type": "mcp_list_tools", "id": "mcpl_…", "server_label", "tools":
+      [{"name", "description", "input_schema", "annotations"}]}`` output item per declared server,
+      in declaration order, listing the tools that ``allowed_tools`` lets through;
+    * `gateway_tool` — the `GatewayTool` behind a function name, or None (client-owned).
+
+    It also carries how to reach each declared server (`endpoint`), secrets included, for
+    `run_tool_calls`; its ``repr`` shows labels and function names only.
+    """
+
+    def __init__(
+        self,
+        *,
+        upstream_tools: list[dict[str, Any]],
+        list_items: list[dict[str, Any]],
+        gateway_tools: Mapping[str, GatewayTool],
+        endpoints: Mapping[str, Endpoint],
+        connect_timeout: float,
+    ) -> None:
+        self.upstream_tools = upstream_tools
+        self.list_items = list_items
+        self._gateway_tools = dict(gateway_tools)
+        self._endpoints = dict(endpoints)
+        self.connect_timeout = connect_timeout
+
+    def __repr__(self) -> str:
+        return (
+            f"ResolvedTools(servers={list(self._endpoints)!r}, gateway_tools={list(self._gateway_tools)!r})"
+        )
+
+    @property
+    def gateway_tools(self) -> Mapping[str, GatewayTool]:
+        """Function name -> `GatewayTool`, for every gateway-owned tool of this request."""
+        return self._gateway_tools
+
+    def gateway_tool(self, function_name: str) -> GatewayTool | None:
+        """The gateway-owned tool the upstream knows as `function_name`, or None (client-owned)."""
+        return self._gateway_tools.get(function_name)
+
+    def endpoint(self, server_label: str) -> Endpoint:
+        """How to reach the server this request declared as `server_label` (KeyError if none)."""
+        return self._endpoints[server_label]
+
+
+def _bad(index: int, message: str, code: str = "invalid_value") -> InvalidRequest:
+    return InvalidRequest(f"tools[{index}]: {message}", code=code, param="tools")
+
+
+def _parse_filter(index: int, field: str, value: object) -> _Filter:
+    """A ``tool_names`` list or ``{"tool_names", "read_only"}`` object as a `_Filter`."""
+    if isinstance(value, list):
+        value = {"tool_names": value}
+    if not isinstance(value, Mapping):
+        raise _bad(index, f"{field} must be a list of tool names or an object with tool_names / read_only")
+    names = value.get("tool_names")
+    read_only = value.get("read_only")
+    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        raise _bad(index, f"{field}.tool_names must be a list of strings")
+    if read_only is not None and not isinstance(read_only, bool):
+        raise _bad(index, f"{field}.read_only must be true or false")
+    return _Filter(names=None if names is None else frozenset(names), read_only=read_only)
+
+
+def _parse_approval(index: int, value: object) -> _Approval:
+    if value is None or value == "always":
+        return _Approval(constant=True)
+    if value == "never":
+        return _Approval(constant=False)
+    if isinstance(value, Mapping) and set(value) <= {"always", "never"}:
+        always = value.get("always")
+        never = value.get("never")
+        return _Approval(
+            constant=None,
+            always=None if always is None else _parse_filter(index, "require_approval.always", always),
+            never=None if never is None else _parse_filter(index, "require_approval.never", never),
+        )
+    raise _bad(
+        index,
+        'require_approval must be "always", "never" or an object with "always" / "never" tool filters',
+    )
+
+
+def _listed(tool: mcp_types.Tool) -> _ListedTool:
+    annotations = (
+        None
+        if tool.annotations is None
+        else tool.annotations.model_dump(mode="json", by_alias=True, exclude_none=True)
+    )
+    return _ListedTool(
+        name=scrub_text(tool.name),
+        description=None if tool.description is None else scrub_text(tool.description),
+        input_schema=scrub_json(tool.input_schema),
+        annotations=None if annotations is None else scrub_json(annotations),
+        read_only=bool(tool.annotations is not None and tool.annotations.read_only_hint),
+    )
+
+
+class ToolCatalog:
+    """The process-wide registry of MCP servers and their cached tool lists.
+
+    * `servers` — the operator-configured servers, by label (ValueError on a repeated label);
+    * `allow_prefixes` — ``--mcp-allow`` URL prefixes a client-declared ``server_url`` must match
+      (`UrlAllowlist`; ValueError names an invalid prefix); empty = no client-declared servers;
+    * `list_ttl` — seconds a server's ``tools/list`` answer is reused across requests (0 = never);
+      failures are not cached. Client-declared servers are cached per (normalised URL, headers),
+      so one client's credentials never decide what another client sees;
+    * `connect_timeout` — seconds to connect to a server and list its tools, also the bound on
+      opening a session in `run_tool_calls`;
+    * `max_cached_lists` — entries kept (least recently stored evicted first): client-declared
+      URLs must not grow the cache without bound.
+
+    Holds no open connections: nothing to close. Safe to share between requests and event loops.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[McpServerConfig],
+        *,
+        allow_prefixes: Sequence[str] = (),
+        list_ttl: float = 300.0,
+        connect_timeout: float = 10.0,
+        max_cached_lists: int = 256,
+    ) -> None:
+        self._servers: dict[str, McpServerConfig] = {}
+        for server in servers:
+            if server.label in self._servers:
+                raise ValueError(f"MCP server label {server.label!r} is configured twice")
+            self._servers[server.label] = server
+        self._allowlist = UrlAllowlist(allow_prefixes)
+        if not list_ttl >= 0:
+            raise ValueError(f"mcp_list_ttl must be >= 0 seconds, got {list_ttl!r}")
+        if not connect_timeout > 0:
+            raise ValueError(f"MCP connect_timeout must be > 0 seconds, got {connect_timeout!r}")
+        if max_cached_lists < 1:
+            raise ValueError(f"max_cached_lists must be >= 1, got {max_cached_lists!r}")
+        self.list_ttl = list_ttl
+        self.connect_timeout = connect_timeout
+        self._max_cached = max_cached_lists
+        self._cache: OrderedDict[tuple[str, ...], _CacheEntry] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return (
+            f"ToolCatalog(servers={list(self._servers)!r}, allow={self._allowlist!r}, "
+            f"list_ttl={self.list_ttl!r}, connect_timeout={self.connect_timeout!r})"
+        )
+
+    @property
+    def servers(self) -> Mapping[str, McpServerConfig]:
+        """The operator-configured servers, by label."""
+        return self._servers
+
+    def clear_cache(self) -> None:
+        """Forget every cached tool list (the next `resolve` lists again)."""
+        self._cache.clear()
+
+    async def resolve(self, tools: list[dict[str, Any]] | None) -> ResolvedTools:
+        """Expose a request's ``tools`` (see the module docstring for names, approval and errors).
+
+        Every ``{"type": "mcp"}`` entry is validated first (400s, no I/O); then the servers whose
+        lists are not cached are listed concurrently, each bounded by `connect_timeout` seconds
+        (502 ``mcp_server_unavailable`` if any fails). Non-mcp tools pass through unchanged. With no
+        mcp entries this does no I/O at all.
+        """
+        tools = tools or []
+        declared: list[_Declared] = []
+        seen: dict[str, int] = {}
+        for index, tool in enumerate(tools):
+            if isinstance(tool, dict) and tool.get("type") == "mcp":
+                entry = self._declare(index, tool)
+                if entry.label in seen:
+                    raise _bad(
+                        index,
+                        f"server_label {entry.label!r} is already declared by tools[{seen[entry.label]}]; "
+                        "declare each MCP server once",
+                        code="duplicate_mcp_server",
+                    )
+                seen[entry.label] = index
+                declared.append(entry)
+        listings = await self._list_all(declared)
+
+        exposed = {d.label: [t for t in listings[d.label] if d.allowed.matches(t)] for d in declared}
+        counts = Counter(t.name for ts in exposed.values() for t in ts)
+        gateway: dict[str, GatewayTool] = {}
+        functions: dict[str, list[dict[str, Any]]] = {}
+        for d in declared:
+            functions[d.label] = []
+            for t in exposed[d.label]:
+                function_name = t.name if counts[t.name] == 1 else f"{d.label}__{t.name}"
+                if function_name in gateway:
+                    other = gateway[function_name]
+                    raise _bad(
+                        d.index,
+                        f"MCP tool {t.name!r} of server {d.label!r} and tool {other.name!r} of server "
+                        f"{other.server_label!r} both become function {function_name!r}; "
+                        "narrow them with allowed_tools",
+                        code="duplicate_tool_name",
+                    )
+                gateway[function_name] = GatewayTool(d.label, t.name, function_name, d.approval.required(t))
+                functions[d.label].append(
+                    {
+                        "type": "function",
+                        "name": function_name,
+                        "description": t.description or "",
+                        "parameters": copy.deepcopy(t.input_schema),
+                        "strict": False,
+                    }
+                )
+        for index, tool in enumerate(tools):
+            if isinstance(tool, dict) and tool.get("type") == "function" and tool.get("name") in gateway:
+                mcp_tool = gateway[tool["name"]]
+                raise _bad(
+                    index,
+                    f"function tool {tool['name']!r} has the same name as MCP tool {mcp_tool.name!r} of "
+                    f"server {mcp_tool.server_label!r}; rename the function or narrow allowed_tools",
+                    code="duplicate_tool_name",
+                )
+
+        upstream: list[dict[str, Any]] = []
+        by_index = {d.index: d for d in declared}
+        for index, tool in enumerate(tools):
+            mcp_entry = by_index.get(index)
+            upstream.extend(functions[mcp_entry.label] if mcp_entry is not None else [tool])
+        list_items = [
+            {
+                "type": "mcp_list_tools",
+                "id": f"mcpl_{uuid.uuid4().hex}",
+                "server_label": d.label,
+                "tools": [
+                    {
+                        "name": t.name,
+                        "description": t.description,
+                        "input_schema": copy.deepcopy(t.input_schema),
+                        "annotations": copy.deepcopy(t.annotations),
+                    }
+                    for t in exposed[d.label]
+                ],
+            }
+            for d in declared
+        ]
+        return ResolvedTools(
+            upstream_tools=upstream,
+            list_items=list_items,
+            gateway_tools=gateway,
+            endpoints={d.label: d.endpoint for d in declared},
+            connect_timeout=self.connect_timeout,
+        )
+
+    def _declare(self, index: int, tool: Mapping[str, Any]) -> _Declared:
+        """Validate one ``{"type": "mcp"}`` entry (400s only, no I/O)."""
+        try:
+            label = validate_label(tool.get("server_label"))
+        except ValueError as exc:
+            raise _bad(index, str(exc)) from None
+        allowed = (
+            _Filter()
+            if tool.get("allowed_tools") is None
+            else _parse_filter(index, "allowed_tools", tool["allowed_tools"])
+        )
+        approval = _parse_approval(index, tool.get("require_approval"))
+        headers_given = tool.get("headers") not in (None, {}) or tool.get("authorization") is not None
+        url = tool.get("server_url")
+        if url is None:
+            if headers_given:
+                raise _bad(
+                    index,
+                    "headers and authorization can only be sent to a client-declared server_url, "
+                    f"not to the operator's server {label!r}",
+                )
+            server = self._servers.get(label)
+            if server is None:
+                known = ", ".join(self._servers) or "none"
+                raise _bad(
+                    index,
+                    f"no MCP server is configured with server_label {label!r} (configured: {known}); "
+                    "use a configured label, or give a server_url the gateway allows",
+                    code="unknown_mcp_server",
+                )
+            return _Declared(index, label, server.endpoint(), ("operator", label), allowed, approval)
+        try:
+            normal = normalize_url(url)
+        except ValueError as exc:
+            raise _bad(index, f"server_url is invalid: {exc}") from None
+        if not self._allowlist.allows(normal):
+            raise _bad(
+                index,
+                f"server_url {redact_url(normal)} is not on this gateway's MCP allowlist (--mcp-allow); "
+                "ask the operator to allow it, or use an operator-configured server_label",
+                code="mcp_server_not_allowed",
+            )
+        try:
+            headers = validate_headers(tool.get("headers") or {}, client=True)
+        except ValueError as exc:
+            raise _bad(index, str(exc)) from None
+        authorization = tool.get("authorization")
+        if authorization is not None:
+            if not isinstance(authorization, str) or any(c in authorization for c in "\r\n\0"):
+                raise _bad(index, "authorization must be a string token without CR, LF or NUL")
+            if any(name.lower() == "authorization" for name in headers):
+                raise _bad(index, "give either authorization or an Authorization header, not both")
+            headers["Authorization"] = f"Bearer {authorization}"
+        digest = hashlib.sha256(repr(sorted((k.lower(), v) for k, v in headers.items())).encode()).hexdigest()
+        endpoint = Endpoint(url=normal, headers=headers)
+        return _Declared(index, label, endpoint, ("client", normal, digest), allowed, approval)
+
+    async def _list_all(self, declared: Sequence[_Declared]) -> dict[str, tuple[_ListedTool, ...]]:
+        """Each declared server's tools, from the cache or listed concurrently; 502 on a failure."""
+        found: dict[str, tuple[_ListedTool, ...]] = {}
+        failures: dict[str, BaseException] = {}
+        now = time.monotonic()
+        missing: list[_Declared] = []
+        for d in declared:
+            entry = self._cache.get(d.cache_key)
+            if entry is not None and entry.expires > now:
+                found[d.label] = entry.tools
+            else:
+                missing.append(d)
+
+        async def fetch(d: _Declared) -> None:
+            try:
+                found[d.label] = await self._fetch(d.endpoint)
+            except Exception as exc:
+                failures[d.label] = exc
+
+        if missing:
+            async with anyio.create_task_group() as tg:
+                for d in missing:
+                    tg.start_soon(fetch, d)
+        for d in missing:
+            if d.label in failures:
+                exc = failures[d.label]
+                detail = (
+                    f"no answer within {self.connect_timeout:g}s"
+                    if isinstance(exc, TimeoutError)
+                    else describe_exception(exc)
+                )
+                log.warning("MCP server %r: tools/list failed: %s", d.label, detail)
+                raise GatewayError(
+                    f"MCP server {d.label!r} is unavailable: listing its tools failed "
+                    f"({detail}); retry later, or leave it out of tools",
+                    status=502,
+                    code="mcp_server_unavailable",
+                    param="tools",
+                )
+            if self.list_ttl > 0:
+                self._cache[d.cache_key] = _CacheEntry(time.monotonic() + self.list_ttl, found[d.label])
+                self._cache.move_to_end(d.cache_key)
+                while len(self._cache) > self._max_cached:
+                    self._cache.popitem(last=False)
+        return found
+
+    async def _fetch(self, endpoint: Endpoint) -> tuple[_ListedTool, ...]:
+        """List every tool of `endpoint` (all pages), within `connect_timeout` seconds in total."""
+        tools: dict[str, _ListedTool] = {}
+        with anyio.fail_after(self.connect_timeout):
+            async with open_session(endpoint, connect_timeout=self.connect_timeout) as client:
+                cursor: str | None = None
+                for _ in range(MAX_LIST_PAGES):
+                    page = await client.list_tools(cursor=cursor)
+                    for tool in page.tools:
+                        tools.setdefault(tool.name, _listed(tool))
+                    cursor = page.next_cursor
+                    if cursor is None:
+                        return tuple(tools.values())
+        raise RuntimeError(f"tools/list did not end within {MAX_LIST_PAGES} pages")

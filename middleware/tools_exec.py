@@ -1,0 +1,401 @@
+"""Running one round's gateway-owned tool calls (DESIGN.md §6 "Execution").
+
+`run_tool_calls` takes the round's gateway-owned ``function_call`` output items and returns one
+`ToolOutcome` per call, in the same order. Policy:
+
+* **Window.** At most ``concurrency`` calls are in flight; calls start in output order and a new one
+  starts as soon as any finishes (a sliding window, not batches).
+* **Arguments.** ``arguments`` is parsed with ``json.loads``; ``""``, ``null`` or a missing field mean
+  ``{}`` (CASES.md B07 b). Text that is not JSON (including NaN / Infinity and repeated keys), or JSON
+  that is not an object, is *not* run: outcome ``invalid_arguments`` (B06 b).
+* **Timeout.** Each call has ``timeout`` seconds from the moment it gets its window slot, including
+  any wait for its server's session; then its MCP request is cancelled (the server sees the
+  cancellation) and the output is ``<error: tool timed out after Ns>`` (B16). Counted as a cap hit
+  ``loopwarden_cap_hits_total{limit="tool_timeout",outcome="tool_error"}``.
+* **Result.** The ``CallToolResult`` as text (`tools_text.result_text`); lone surrogates replaced by
+  U+FFFD first (B21 e); ``isError`` results keep the tool's text with outcome ``error``.
+* **Cap, then charge.** A result whose UTF-8 encoding is over ``max_result_bytes`` becomes an error
+  output (outcome ``too_large``) and is not charged. Every other tool result is charged with
+  ``ledger.admit_tool_result(output bytes)`` before it is kept. The ledger's exception (a
+  ``BudgetExceeded``, or ``PoolExhausted``) is the one failure that escapes: the other calls in
+  flight are cancelled first, then it propagates out of `run_tool_calls` (B19).
+* **Failures** — unknown tool, server unreachable, MCP protocol error, any exception — become
+  outcome ``error`` with an ``<error: …>`` text for the model. Every call gets exactly one outcome.
+
+Gateway-made error texts are short (at most about 700 bytes: messages are truncated) and are not
+charged; only what a tool returned is. Metrics: ``loopwarden_tool_calls_total{outcome}`` +1 and
+``loopwarden_tool_call_duration_seconds`` observed for every returned `ToolOutcome`; calls cut short
+by a ledger overflow or by cancellation return no outcome and are not counted.
+
+**Sessions.** One ``mcp.Client`` session per server per `run_tool_calls` invocation, opened when the
+first call for that server starts (within the catalog's ``connect_timeout``) and closed when the
+invocation ends; calls to one server share it concurrently. Nothing is cached across invocations.
+
+**Cancellation.** Cancelling the task awaiting `run_tool_calls` (client disconnect) cancels every
+running call — each MCP request is abandoned and the server's handler cancelled — closes the
+sessions and re-raises the cancellation (CASES.md B14 b).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+
+import anyio
+import anyio.abc
+import mcp
+
+from middleware.metrics import CAP_HITS, TOOL_CALLS, TOOL_DURATION
+from middleware.tools_conn import ANSWER_TOO_LARGE, open_session
+from middleware.tools_text import describe_exception, result_text, scrub_text
+
+if TYPE_CHECKING:
+    from middleware.tools import ResolvedTools
+
+__all__ = ["Outcome", "ToolLedger", "ToolOutcome", "refuse_tool_call", "run_tool_calls"]
+
+log = logging.getLogger("loopwarden.tools")
+
+Outcome = Literal["ok", "error", "timeout", "invalid_arguments", "too_large", "refused"]
+"""The ``loopwarden_tool_calls_total`` ``outcome`` label of one call."""
+
+INVALID_JSON_TEXT: Final = "<error: arguments are not valid JSON>"
+# One MCP message (SSE event or JSON body) answering a call may be this many times the per-call cap,
+# plus 1 MiB, before the transport refuses it: JSON escaping and the structuredContent copy that
+# MCPServer adds inflate text. Past it the call fails as "error" (the answer is never held whole).
+MESSAGE_FACTOR: Final = 4
+
+
+class ToolLedger(Protocol):
+    """The part of `budget.Ledger` the tool layer uses.
+
+    ``admit_tool_result(raw)`` charges a tool result of ``raw`` (UTF-8 bytes) and returns the charge
+    in budget bytes, or raises (``BudgetExceeded``) leaving the ledger unchanged.
+    """
+
+    def admit_tool_result(self, raw: bytes) -> int: ...
+
+
+@dataclass
+class ToolOutcome:
+    """The result of one gateway-owned call.
+
+    * ``call_id`` — the ``function_call``'s ``call_id``;
+    * ``output`` — what the model is fed back as the ``function_call_output`` (the tool's text, or an
+      ``<error: …>`` text);
+    * ``error`` — None when the call succeeded; else the error text (the same as ``output``), for
+      the ``mcp_call`` item's ``error``;
+    * ``outcome`` — the metric label (`Outcome`);
+    * ``charge`` — budget bytes charged to the ledger for ``output`` (0 when not charged);
+    * ``duration`` — seconds from the call's start (its window slot) to its outcome.
+    """
+
+    call_id: str
+    output: str
+    error: str | None
+    outcome: Outcome
+    charge: int = 0
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Whether the tool ran and returned a result that is not an error."""
+        return self.error is None
+
+
+def refuse_tool_call(call: Mapping[str, Any], *, reason: str | None = None) -> ToolOutcome:
+    """The outcome of a call the client did not approve (``mcp_approval_response`` with
+    ``approve: false``): not run, outcome ``refused``, counted in ``loopwarden_tool_calls_total``
+    (no duration: nothing ran). `reason` (the client's, optional) is quoted to the model."""
+    text = "<error: the user did not approve this tool call>"
+    if reason:
+        text = f"<error: the user did not approve this tool call: {scrub_text(reason)[:500]}>"
+    TOOL_CALLS.labels(outcome="refused").inc()
+    return ToolOutcome(call_id=str(call.get("call_id")), output=text, error=text, outcome="refused")
+
+
+class _LedgerRefused(Exception):
+    """Carries the ledger's exception out of a worker (the one whole-request failure)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _ServerUnavailable(Exception):
+    def __init__(self, label: str, cause: BaseException | None) -> None:
+        detail = "connection closed" if cause is None else describe_exception(cause)
+        super().__init__(f"MCP server {label!r} is unavailable ({detail})")
+
+
+@dataclass
+class _Session:
+    """One server's session for one invocation, owned by its own task (anyio scopes must be
+    entered and exited by the same task)."""
+
+    ready: anyio.Event = field(default_factory=anyio.Event)
+    closing: anyio.Event = field(default_factory=anyio.Event)
+    scope: anyio.CancelScope | None = None
+    client: mcp.Client | None = None
+    error: BaseException | None = None
+
+
+class _Sessions:
+    """Lazily opened sessions, one per server label, all closed by `close`."""
+
+    def __init__(
+        self, tg: anyio.abc.TaskGroup, resolved: ResolvedTools, *, connect_timeout: float, max_message: int
+    ) -> None:
+        self._tg = tg
+        self._resolved = resolved
+        self._connect_timeout = connect_timeout
+        self._max_message = max_message
+        self._sessions: dict[str, _Session] = {}
+
+    async def get(self, label: str) -> mcp.Client:
+        """The connected client for `label`; raises `_ServerUnavailable` if it cannot connect."""
+        session = self._sessions.get(label)
+        if session is None:
+            session = self._sessions[label] = _Session()
+            self._tg.start_soon(self._own, label, session)
+        await session.ready.wait()
+        if session.client is None:
+            raise _ServerUnavailable(label, session.error)
+        return session.client
+
+    async def _own(self, label: str, session: _Session) -> None:
+        if session.closing.is_set():
+            session.ready.set()
+            return
+        try:
+            with anyio.CancelScope(deadline=anyio.current_time() + self._connect_timeout) as scope:
+                session.scope = scope
+                async with open_session(
+                    self._resolved.endpoint(label),
+                    connect_timeout=self._connect_timeout,
+                    max_message_bytes=self._max_message,
+                ) as client:
+                    scope.deadline = math.inf
+                    session.client = client
+                    session.ready.set()
+                    await session.closing.wait()
+            if session.client is None and scope.cancelled_caught:
+                session.error = TimeoutError()
+        except Exception as exc:
+            if session.client is None:
+                session.error = exc
+                log.warning("MCP server %r: session failed: %s", label, describe_exception(exc))
+            else:
+                log.debug("MCP server %r: session closed with %s", label, describe_exception(exc))
+        finally:
+            session.ready.set()
+
+    def close(self) -> None:
+        """Close every session: connected ones in order, ones still connecting by cancellation."""
+        for session in self._sessions.values():
+            session.closing.set()
+            if session.client is None and session.scope is not None:
+                session.scope.cancel()
+
+
+def _no_constants(value: str) -> Any:
+    raise ValueError(f"{value} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def parse_arguments(arguments: object) -> dict[str, Any] | str:
+    """A call's ``arguments`` as a dict, or the ``<error: …>`` text if they cannot be used.
+
+    ``""``, None (``null`` or missing) -> ``{}``; an already decoded dict is used as is.
+    """
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    if not isinstance(arguments, str):
+        return INVALID_JSON_TEXT
+    try:
+        value = json.loads(arguments, parse_constant=_no_constants, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, ValueError) and "appears twice" in str(exc):
+            return f"<error: arguments are not valid JSON: {scrub_text(str(exc))[:200]}>"
+        return INVALID_JSON_TEXT
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+        return f"<error: arguments must be a JSON object, got {kind}>"
+    return value
+
+
+class _Runner:
+    """Per-invocation state of `run_tool_calls`."""
+
+    def __init__(
+        self,
+        resolved: ResolvedTools,
+        sessions: _Sessions,
+        ledger: ToolLedger,
+        *,
+        timeout: float,
+        max_result_bytes: int,
+    ) -> None:
+        self.resolved = resolved
+        self.sessions = sessions
+        self.ledger = ledger
+        self.timeout = timeout
+        self.max_result_bytes = max_result_bytes
+
+    async def attempt(self, name: str, arguments: object) -> tuple[Outcome, str, bool]:
+        """Run one call: (outcome, text, whether the text came from the tool). Never raises
+        except for cancellation."""
+        tool = self.resolved.gateway_tool(name)
+        if tool is None:
+            return "error", f"<error: no gateway tool is named {scrub_text(name)[:100]!r}>", False
+        args = parse_arguments(arguments)
+        if isinstance(args, str):
+            return "invalid_arguments", args, False
+        result: mcp.types.CallToolResult | None = None
+        failure: BaseException | None = None
+        with anyio.move_on_after(self.timeout) as scope:
+            try:
+                client = await self.sessions.get(tool.server_label)
+                result = await client.call_tool(tool.name, args)
+            except Exception as exc:
+                failure = exc
+        if result is None and scope.cancel_called:
+            CAP_HITS.labels(limit="tool_timeout", outcome="tool_error").inc()
+            return "timeout", f"<error: tool timed out after {self.timeout:g}s>", False
+        if result is None:
+            if failure is not None and ANSWER_TOO_LARGE in describe_exception(failure):
+                # The answer passed the transport's bound (a multiple of the cap): never held whole.
+                return (
+                    "too_large",
+                    f"<error: the tool result is over the per-call cap of {self.max_result_bytes:,} bytes "
+                    "(the answer was not read to its end); raise --tool-max-result-bytes or make the tool "
+                    "return less>",
+                    False,
+                )
+            if isinstance(failure, _ServerUnavailable):
+                return "error", f"<error: {scrub_text(str(failure))}>", False
+            detail = describe_exception(failure) if failure is not None else "no result"
+            return "error", f"<error: the tool call failed ({detail})>", False
+        try:
+            text = scrub_text(result_text(result))
+        except Exception as exc:
+            return "error", f"<error: the tool result could not be read ({describe_exception(exc)})>", False
+        if result.is_error:
+            return "error", text or "<error: the tool reported an error without a message>", True
+        return "ok", text, True
+
+    async def execute(self, call: Mapping[str, Any]) -> ToolOutcome:
+        """`attempt` plus the cap, the ledger charge and the metrics. Ledger errors propagate."""
+        started = time.perf_counter()
+        call_id = call["call_id"]
+        outcome, text, from_tool = await self.attempt(call["name"], call.get("arguments"))
+        charge = 0
+        if from_tool:
+            raw = text.encode("utf-8")
+            if len(raw) > self.max_result_bytes:
+                outcome = "too_large"
+                text = (
+                    f"<error: the tool result is {len(raw):,} bytes, {len(raw) - self.max_result_bytes:,} "
+                    f"bytes over the per-call cap of {self.max_result_bytes:,} bytes; raise "
+                    "--tool-max-result-bytes or make the tool return less>"
+                )
+            else:
+                try:
+                    charge = self.ledger.admit_tool_result(raw)
+                except Exception as exc:
+                    raise _LedgerRefused(exc) from exc
+        duration = time.perf_counter() - started
+        TOOL_CALLS.labels(outcome=outcome).inc()
+        TOOL_DURATION.observe(duration)
+        error = None if outcome == "ok" else text
+        return ToolOutcome(call_id, text, error, outcome, charge, duration)
+
+
+def _internal_error(call_id: str) -> ToolOutcome:
+    text = "<error: the gateway failed to run this tool call>"
+    TOOL_CALLS.labels(outcome="error").inc()
+    return ToolOutcome(call_id, text, text, "error")
+
+
+async def run_tool_calls(
+    resolved: ResolvedTools,
+    calls: Sequence[Mapping[str, Any]],
+    *,
+    ledger: ToolLedger,
+    timeout: float = 60.0,
+    concurrency: int = 5,
+    max_result_bytes: int = 262_144,
+) -> list[ToolOutcome]:
+    """Run gateway-owned calls; one `ToolOutcome` per call, in the order of `calls`.
+
+    `calls` are ``function_call`` output items (``{"call_id": str, "name": str, "arguments": str |
+    None, ...}``) whose ``name`` is a function name of `resolved` (another name gives an ``error``
+    outcome). `timeout` is seconds per call, `concurrency` the window (calls in flight),
+    `max_result_bytes` the per-call cap in UTF-8 bytes. See the module docstring for the policy.
+
+    Raises ValueError for a bad setting or a call without a string ``call_id`` / ``name`` (before
+    anything runs); the ledger's exception (``BudgetExceeded``) when a result does not fit, after
+    cancelling the other calls; and the cancellation itself when the awaiting task is cancelled.
+    """
+    if not timeout > 0:
+        raise ValueError(f"tool timeout must be > 0 seconds, got {timeout!r}")
+    if concurrency < 1:
+        raise ValueError(f"tool concurrency must be >= 1, got {concurrency!r}")
+    if max_result_bytes < 0:
+        raise ValueError(f"tool max_result_bytes must be >= 0, got {max_result_bytes!r}")
+    for call in calls:
+        if not isinstance(call.get("call_id"), str) or not isinstance(call.get("name"), str):
+            raise ValueError("every tool call needs a string call_id and name")
+    if not calls:
+        return []
+
+    results: list[ToolOutcome | None] = [None] * len(calls)
+    overflow: list[Exception] = []
+    pending = iter(range(len(calls)))
+    max_message = MESSAGE_FACTOR * max_result_bytes + 1024 * 1024
+    async with anyio.create_task_group() as owners:
+        sessions = _Sessions(
+            owners, resolved, connect_timeout=resolved.connect_timeout, max_message=max_message
+        )
+        runner = _Runner(resolved, sessions, ledger, timeout=timeout, max_result_bytes=max_result_bytes)
+        try:
+            async with anyio.create_task_group() as workers:
+
+                async def work() -> None:
+                    for index in pending:
+                        try:
+                            results[index] = await runner.execute(calls[index])
+                        except _LedgerRefused as exc:
+                            overflow.append(exc.cause)
+                            workers.cancel_scope.cancel()
+                            return
+                        except Exception:  # a bug here must not leave a call_id dangling
+                            log.exception("tool call %r failed inside the gateway", calls[index]["call_id"])
+                            results[index] = _internal_error(calls[index]["call_id"])
+
+                for _ in range(min(concurrency, len(calls))):
+                    workers.start_soon(work)
+        finally:
+            sessions.close()
+    if overflow:
+        raise overflow[0]
+    done = [outcome for outcome in results if outcome is not None]
+    assert len(done) == len(calls)
+    return done
