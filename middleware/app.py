@@ -15,12 +15,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from middleware import metrics
 from middleware.budget_mw import BudgetMiddleware
 from middleware.config import Settings
 from middleware.embedded import BackgroundServer
@@ -38,8 +39,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def metrics_endpoint(request: Request) -> Response:
-    """Prometheus text exposition of the process registry."""
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text exposition (aggregated over workers in multiprocess mode)."""
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 def default_upstream(settings: Settings, base_url: str) -> UpstreamClient:
@@ -106,6 +107,7 @@ def create_app(
             await state.upstream.aclose()
             if devmodel is not None:
                 await asyncio.to_thread(devmodel.stop)
+            metrics.worker_exited()
 
     responses = BudgetMiddleware(
         ResponsesApp(state),

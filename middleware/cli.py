@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import uvicorn
@@ -71,6 +73,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--config", help="YAML or TOML file with settings (flags override it)")
 
 
+def _multiprocess_metrics_dir() -> None:
+    """Give the workers one fresh ``PROMETHEUS_MULTIPROC_DIR`` (the operator's, wiped, or a new one)."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="loopwarden-metrics-")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``loopwarden`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -81,7 +93,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = sub.add_parser("devmodel", help="serve only the embedded development model (no real model inside)")
     dev.add_argument("--host", default="127.0.0.1")
     dev.add_argument("--port", type=int, default=8000)
+    cap = sub.add_parser("capacity", help="recommend limits from a Prometheus that scrapes the gateway")
+    cap.add_argument(
+        "--prometheus", required=True, help="base URL of the Prometheus server, e.g. http://127.0.0.1:9090"
+    )
+    cap.add_argument("--window", default="1h", help="PromQL range to look back over (default 1h)")
     args = parser.parse_args(argv)
+
+    if args.command == "capacity":
+        from middleware.capacity import CapacityError, report
+
+        try:
+            print(report(args.prometheus, window=args.window))
+        except CapacityError as exc:
+            print(f"loopwarden capacity: {exc}", file=sys.stderr)
+            return 1
+        return 0
 
     if args.command == "devmodel":
         from middleware.devmodel import create_devmodel_app
@@ -89,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvicorn.run(create_devmodel_app(), host=args.host, port=args.port, log_level="info")
         return 0
 
-    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "prometheus", "window")}
     try:
         settings = load_settings(flags, os.environ)
     except ConfigError as exc:
@@ -110,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     else:
         os.environ.update(settings.to_env())
+        _multiprocess_metrics_dir()
         uvicorn.run(
             "middleware.app:create_app_from_env",
             factory=True,

@@ -6,9 +6,18 @@ the configured model names or ``other`` (see `model_label`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 REQUESTS = Counter(
     "loopwarden_requests_total",
@@ -29,7 +38,7 @@ STREAM_ERRORS = Counter(
     "SSE error frames sent after a stream was committed, by error code.",
     ["code"],
 )
-INFLIGHT = Gauge("loopwarden_inflight_requests", "Requests being served now.")
+INFLIGHT = Gauge("loopwarden_inflight_requests", "Requests being served now.", multiprocess_mode="livesum")
 
 
 # Codes the gateway itself sends after commit (DESIGN.md §5); an upstream's own code is folded
@@ -129,6 +138,7 @@ INFERENCE_ROUNDS = Histogram(
 INFLIGHT_RETAINED = Gauge(
     "loopwarden_inflight_retained_bytes",
     "Budget bytes charged by every request being served now (the sum of live ledgers).",
+    multiprocess_mode="livesum",
 )
 UPSTREAM_DURATION = Histogram(
     "loopwarden_upstream_duration_seconds",
@@ -209,3 +219,20 @@ class InflightPool:
 
 
 POOL = InflightPool()
+
+
+def exposition() -> bytes:
+    """The Prometheus text page: this process's registry, or — with ``--workers`` > 1, when
+    ``PROMETHEUS_MULTIPROC_DIR`` is set — every worker's metrics aggregated (counters summed,
+    in-flight gauges summed over live workers)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+    return generate_latest(REGISTRY)
+
+
+def worker_exited() -> None:
+    """Drop this worker's live gauges from the multiprocess files (called when a worker stops)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]

@@ -213,3 +213,26 @@ def test_cap_hits_were_scraped_with_the_right_labels(live: tuple[str, str]) -> N
         ("client_body_timeout", "408"),
     }
     assert want <= hit, want - hit
+
+
+def test_capacity_report_on_the_ci_workload(
+    live: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from middleware.cli import main
+
+    _, prom_url = live
+    assert main(["capacity", "--prometheus", prom_url, "--window", "10m"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "retained bytes per request" in out
+    assert "recommended: max_retained_bytes=" in out
+    assert "inference rounds per request" in out
+    # the workload's largest ledger peak is about 1 MiB (its limit), so 8 MiB rejects nothing
+    assert "     8 MiB    0.00 %" in out
+
+
+def test_capacity_without_prometheus_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from middleware.cli import main
+
+    assert main(["capacity", "--prometheus", f"http://127.0.0.1:{_free_port()}"]) == 1
+    assert "cannot query Prometheus" in capsys.readouterr().err
