@@ -124,8 +124,8 @@ def report(url: str, *, window: str = "1h", timeout: float = 10.0) -> str:
     ):
         lines.append(f"  {name:>4} <= {value / MIB:10.3f} MiB")
     lines.append("share of requests each max_retained_bytes would have rejected:")
-    for limit in RETAINED_CANDIDATES:
-        lines.append(f"  {limit // MIB:>4} MiB  {100 * retained.share_above(limit):6.2f} %")
+    for candidate in RETAINED_CANDIDATES:
+        lines.append(f"  {candidate // MIB:>4} MiB  {100 * retained.share_above(candidate):6.2f} %")
     if rounds.count:
         lines.append("inference rounds per request:")
         for name, value in (
