@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint types unit bench clean prometheus
+.PHONY: run test lint types unit bench clean prometheus postgres
 
 $(STAMP): pyproject.toml
 	@echo "bootstrapping $(VENV) (first run installs the project and its test tools)..."
@@ -27,7 +27,10 @@ types: $(STAMP)
 prometheus:
 	bash scripts/ensure-prometheus.sh
 
-unit: $(STAMP) prometheus
+postgres:
+	bash scripts/ensure-postgres.sh
+
+unit: $(STAMP) prometheus postgres
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test: lint types unit

@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from starlette.types import Send
 
+from budget import BudgetExceeded
 from middleware import metrics
 from middleware.context import RequestContext
-from middleware.errors import GatewayError
+from middleware.errors import GatewayError, InvalidRequest
+from middleware.history import Restored, approval_id, check_call_pairs, pending_approvals, restore_history
 from middleware.loop import (
     Continue,
     Done,
@@ -41,6 +45,7 @@ from middleware.loop import (
 )
 from middleware.sse import KEEPALIVE, encode_event
 from middleware.state import GatewayState
+from middleware.store import RESPONSE_STATUSES, StoredResponse
 from middleware.stream import (
     TERMINAL_EVENTS,
     StreamAccumulator,
@@ -50,9 +55,10 @@ from middleware.stream import (
     read_stream_events,
 )
 from middleware.tools import ResolvedTools, ToolOutcome, run_tool_calls
-from middleware.upstream import UpstreamResponse, upstream_status_error
+from middleware.upstream import UpstreamError, UpstreamResponse, upstream_status_error
 
 T = TypeVar("T")
+log = logging.getLogger("loopwarden")
 LIFECYCLE = frozenset({"response.created", "response.in_progress", "response.queued"})
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 ERROR_BODY_LIMIT = 64 * 1024
@@ -171,7 +177,10 @@ class AgentLoop:
         self.resolved = resolved
         self.response_id = new_id("resp")
         self.request = ctx.request
-        self.original_input = as_input_items(self.request.get("input"))
+        self.input_items = as_input_items(self.request.get("input"))  # as the client sent them
+        self.new_input = [i for i in self.input_items if i.get("type") != "mcp_approval_response"]
+        self.history: list[dict[str, Any]] = []  # restored from the store, sent before the new input
+        self.restored = Restored([])
         self.replay: list[dict[str, Any]] = []  # this request's items, appended to the input upstream
         self.items: list[dict[str, Any]] = list(resolved.list_items)  # what the client sees
         self.usage: dict[str, Any] | None = None
@@ -179,56 +188,118 @@ class AgentLoop:
         max_tool_calls = self.request.get("max_tool_calls")
         self.max_tool_calls: int | None = max_tool_calls if isinstance(max_tool_calls, int) else None
         self.stitcher = StreamStitcher(self) if ctx.stream else None
+        self.persisted = False
 
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
         try:
-            while True:
-                self.ctx.rounds += 1
-                terminal, output = await self._round(self._upstream_body())
-                self.usage = sum_usage(self.usage, terminal.get("usage"))
-                gateway_calls, client_calls, approvals = self._split_calls(output)
-                left = (
-                    None
-                    if self.max_tool_calls is None
-                    else max(0, self.max_tool_calls - self.tool_calls_used)
-                )
-                details = terminal.get("incomplete_details")
-                decision = classify_round(
-                    RoundState(
-                        status=str(terminal.get("status") or "completed"),
-                        incomplete_reason=details.get("reason") if isinstance(details, dict) else None,
-                        gateway_calls=gateway_calls,
-                        client_calls=client_calls + approvals,
-                        tool_calls_left=left,
-                        inference_calls=self.ctx.rounds,
-                        max_infer_iters=self.ctx.limits.max_infer_iters,
-                    )
-                )
-                if isinstance(decision, LoopDetected):
-                    raise GatewayError(
-                        f"the model still called gateway tools after {decision.inference_calls} inference calls "
-                        f"(max_infer_iters={self.ctx.limits.max_infer_iters}); raise max_infer_iters or change the "
-                        "prompt or tools so that the model can finish",
-                        status=508,
-                        code="max_infer_iters_exceeded",
-                        retryable=False,
-                        limit="max_infer_iters",
-                    )
-                run: tuple[dict[str, Any], ...] = () if isinstance(decision, Done) else decision.run
-                omitted = decision.omitted if isinstance(decision, Incomplete) else ()
-                outcomes = await self._run_tools(run)
-                self.tool_calls_used += len(run)
-                pending = approvals if isinstance(decision, RequiresClientAction) else []
-                await self._record_round(output, run, outcomes, omitted, pending)
-                if isinstance(decision, Continue):
-                    continue
-                if isinstance(decision, Incomplete) and decision.reason == "max_tool_calls":
-                    metrics.CAP_HITS.labels(limit="max_tool_calls", outcome="incomplete").inc()
-                await self._finish(terminal, decision)
-                return
+            await self._prepare()
+            await self._loop()
+        except asyncio.CancelledError:
+            await self._persist_failure("cancelled", None)
+            raise
+        except GatewayError as error:
+            await self._persist_failure("failed", {"code": error.code, "message": error.message})
+            raise
+        except BudgetExceeded as exc:
+            await self._persist_failure(
+                "failed", {"code": "max_retained_bytes_exceeded", "message": str(exc)}
+            )
+            raise
+        except UpstreamError as exc:
+            await self._persist_failure("failed", {"code": exc.code, "message": exc.message})
+            raise
         finally:
             metrics.INFERENCE_ROUNDS.observe(self.ctx.rounds)
+
+    async def _prepare(self) -> None:
+        """Restore stored history, check call pairing, and settle answered approvals (B03, B05)."""
+        store = self.state.store
+        if store is not None:
+            self.restored = await restore_history(self.request, store, self.ctx.owner, self.ctx.ledger)
+            self.history = self.restored.items
+        elif (
+            self.request.get("previous_response_id") is not None
+            or self.request.get("conversation") is not None
+        ):
+            raise InvalidRequest(
+                "this gateway runs without a store: previous_response_id and conversation are unavailable",
+                code="invalid_request",
+                param="previous_response_id",
+            )
+        approvals = pending_approvals(self.history, self.input_items)
+        check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
+        approved = [call for call, answer in approvals if answer.get("approve") is True]
+        if approved and self.stitcher is not None:
+            await self.stitcher.ensure_started()
+        outcomes = dict(zip((id(c) for c in approved), await self._run_tools(approved), strict=True))
+        self.tool_calls_used += len(approved)
+        for call, answer in approvals:
+            if id(call) in outcomes:
+                outcome = outcomes[id(call)]
+                tool = self.resolved.gateway_tool(str(call.get("name")))
+                label, name = (
+                    (tool.server_label, tool.name) if tool is not None else ("", str(call.get("name")))
+                )
+                item_id = self.stitcher.call_ids.get(id(call)) if self.stitcher is not None else None
+                item = mcp_call_item(call, outcome, label, name, item_id or new_id("mcp"))
+                item["approval_request_id"] = answer.get("approval_request_id")
+                self.items.append(item)
+                if self.stitcher is not None:
+                    await self.stitcher.finish_call(call, item)
+                text = outcome.output
+            else:
+                reason = answer.get("reason")
+                text = (
+                    "<the user denied this tool call"
+                    + (f": {reason}" if isinstance(reason, str) and reason else "")
+                    + ">"
+                )
+            self.replay.append(
+                {"type": "function_call_output", "call_id": call.get("call_id"), "output": text}
+            )
+
+    async def _loop(self) -> None:
+        while True:
+            self.ctx.rounds += 1
+            terminal, output = await self._round(self._upstream_body())
+            self.usage = sum_usage(self.usage, terminal.get("usage"))
+            gateway_calls, client_calls, approvals = self._split_calls(output)
+            left = None if self.max_tool_calls is None else max(0, self.max_tool_calls - self.tool_calls_used)
+            details = terminal.get("incomplete_details")
+            decision = classify_round(
+                RoundState(
+                    status=str(terminal.get("status") or "completed"),
+                    incomplete_reason=details.get("reason") if isinstance(details, dict) else None,
+                    gateway_calls=gateway_calls,
+                    client_calls=client_calls + approvals,
+                    tool_calls_left=left,
+                    inference_calls=self.ctx.rounds,
+                    max_infer_iters=self.ctx.limits.max_infer_iters,
+                )
+            )
+            if isinstance(decision, LoopDetected):
+                raise GatewayError(
+                    f"the model still called gateway tools after {decision.inference_calls} inference calls "
+                    f"(max_infer_iters={self.ctx.limits.max_infer_iters}); raise max_infer_iters or change the "
+                    "prompt or tools so that the model can finish",
+                    status=508,
+                    code="max_infer_iters_exceeded",
+                    retryable=False,
+                    limit="max_infer_iters",
+                )
+            run: tuple[dict[str, Any], ...] = () if isinstance(decision, Done) else decision.run
+            omitted = decision.omitted if isinstance(decision, Incomplete) else ()
+            outcomes = await self._run_tools(run)
+            self.tool_calls_used += len(run)
+            pending = approvals if isinstance(decision, RequiresClientAction) else []
+            await self._record_round(output, run, outcomes, omitted, pending)
+            if isinstance(decision, Continue):
+                continue
+            if isinstance(decision, Incomplete) and decision.reason == "max_tool_calls":
+                metrics.CAP_HITS.labels(limit="max_tool_calls", outcome="incomplete").inc()
+            await self._finish(terminal, decision)
+            return
 
     def _split_calls(
         self, output: Sequence[dict[str, Any]]
@@ -258,9 +329,16 @@ class AgentLoop:
 
     def _upstream_body(self) -> bytes:
         body = dict(self.request)
-        body["tools"] = self.resolved.upstream_tools
-        body["input"] = self.original_input + self.replay
-        body.pop("max_tool_calls", None)
+        if "tools" in body or self.resolved.upstream_tools:
+            body["tools"] = self.resolved.upstream_tools
+        raw_input = self.request.get("input")
+        if isinstance(raw_input, str) and not self.history and not self.replay:
+            body["input"] = raw_input  # nothing to add: keep the client's own form
+        else:
+            body["input"] = self.history + self.new_input + self.replay
+        body["store"] = False  # the gateway owns the history (DESIGN.md §6)
+        for field in ("max_tool_calls", "previous_response_id", "conversation"):
+            body.pop(field, None)
         include = body.get("include")
         include = list(include) if isinstance(include, list) else []
         if "reasoning.encrypted_content" not in include:
@@ -327,7 +405,9 @@ class AgentLoop:
                     {"type": "function_call_output", "call_id": item.get("call_id"), "output": outcome.output}
                 )
                 calls.append(item)
-            elif id(item) in skipped or id(item) in pending:
+            elif id(item) in pending:
+                self.replay.append(item)  # answered by a later request's mcp_approval_response
+            elif id(item) in skipped:
                 continue
             else:
                 self.replay.append(item)
@@ -347,7 +427,7 @@ class AgentLoop:
             assert tool is not None
             request = {
                 "type": "mcp_approval_request",
-                "id": new_id("mcpr"),
+                "id": approval_id(str(call.get("call_id"))),
                 "server_label": tool.server_label,
                 "name": tool.name,
                 "arguments": call.get("arguments") if isinstance(call.get("arguments"), str) else "{}",
@@ -363,6 +443,10 @@ class AgentLoop:
         final["output"] = self.items
         final["tools"] = public_tools(self.request.get("tools"))
         final["tool_choice"] = self.request.get("tool_choice", "auto")
+        final["store"] = self.ctx.store
+        final["previous_response_id"] = self.restored.previous_response_id
+        if self.restored.conversation_id is not None:
+            final["conversation"] = {"id": self.restored.conversation_id}
         if self.usage is not None:
             final["usage"] = self.usage
         if isinstance(decision, Incomplete):
@@ -372,11 +456,58 @@ class AgentLoop:
             final["status"] = "completed"
         return final
 
+    async def _persist(self, response: dict[str, Any]) -> None:
+        """Store the response (one transaction) when the request has ``store`` on."""
+        store = self.state.store
+        if store is None or not self.ctx.store:
+            return
+        status = str(response.get("status") or "completed")
+        params = {k: v for k, v in self.request.items() if k not in ("input", "stream")}
+        await store.save_response(
+            StoredResponse(
+                id=self.response_id,
+                owner=self.ctx.owner,
+                created_at=int(response.get("created_at") or time.time()),
+                status=status if status in RESPONSE_STATUSES else "completed",
+                model=str(self.request.get("model")),
+                previous_response_id=self.restored.previous_response_id,
+                conversation_id=self.restored.conversation_id,
+                response=response,
+                request=params,
+            ),
+            input_items=self.input_items,
+            output_items=self.items,
+            replay_items=self.replay,
+        )
+
+    async def _persist_failure(self, status: str, error: dict[str, Any] | None) -> None:
+        """Store the true status of a request that failed or whose client went away (best effort)."""
+        if self.persisted:
+            return
+        self.persisted = True
+        response = {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": status,
+            "error": error,
+            "model": self.request.get("model"),
+            "output": self.items,
+            "tools": public_tools(self.request.get("tools")),
+            "previous_response_id": self.restored.previous_response_id,
+        }
+        try:
+            await asyncio.shield(self._persist(response))
+        except Exception:
+            log.exception("could not store the %s status of response %s", status, self.response_id)
+
     async def _finish(self, terminal: dict[str, Any], decision: Any) -> None:
         final = self._final_response(terminal, decision)
         self.ctx.stored_status = str(final.get("status"))
         raw = json.dumps(final, separators=(",", ":")).encode()
         self.ctx.ledger.admit_terminal(raw)
+        self.persisted = True
+        await self._persist(final)
         if self.stitcher is not None:
             await self.stitcher.terminal(final)
             return
@@ -493,6 +624,25 @@ class StreamStitcher:
                 {"type": "response.output_item.done", "output_index": index, "item": item},
             )
 
+    async def ensure_started(self) -> None:
+        """Open the client stream before any upstream event (work done ahead of the first round)."""
+        if not self.started:
+            response = {
+                "id": self.loop.response_id,
+                "object": "response",
+                "model": self.loop.request.get("model"),
+            }
+            await self._start(response)
+            self.started = True
+            await self._emit(
+                "response.in_progress",
+                {
+                    "type": "response.in_progress",
+                    "response": {**self._public_response(response), "status": "in_progress", "output": []},
+                },
+            )
+            await self._list_tools()
+
     async def _start(self, response: dict[str, Any]) -> None:
         if not self.created:
             self.created = True
@@ -538,7 +688,10 @@ class StreamStitcher:
             self.round_map[index] = self.next_index
             self.next_index += 1
         if isinstance(index, int):
-            mapped = self.round_map.get(index)
+            if index not in self.round_map:  # an upstream that skipped output_item.added
+                self.round_map[index] = self.next_index
+                self.next_index += 1
+            mapped = self.round_map[index]
             if mapped is None:
                 return
             obj["output_index"] = mapped

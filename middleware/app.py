@@ -17,20 +17,50 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from middleware import metrics
+from middleware.auth import Authenticator
 from middleware.budget_mw import BudgetMiddleware
 from middleware.config import Settings
 from middleware.embedded import BackgroundServer
+from middleware.errors import GatewayError, envelope_bytes, error_headers
 from middleware.responses import ResponsesApp
 from middleware.state import GatewayState
+from middleware.store import Store, open_store
+from middleware.store_routes import store_routes
 from middleware.tools import McpServerConfig, ToolCatalog
 from middleware.upstream import HttpxUpstream, UpstreamClient
 
 log = logging.getLogger("loopwarden")
+
+
+async def gateway_error_response(request: Request, exc: Exception) -> Response:
+    """A `GatewayError` raised by a plain route (e.g. 401 on the store routes) as the envelope."""
+    assert isinstance(exc, GatewayError)
+    headers = dict((k.decode(), v.decode()) for k, v in error_headers(exc))
+    return Response(envelope_bytes(exc), status_code=exc.status, headers=headers)
+
+
+async def route_error_response(request: Request, exc: Exception) -> Response:
+    """Unknown paths (404) and wrong methods (405) in the OpenAI error envelope."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        error = GatewayError(
+            f"{request.method} is not allowed on {request.url.path}",
+            status=405,
+            code="method_not_allowed",
+            retryable=False,
+        )
+        extra = {"allow": exc.headers["allow"]} if exc.headers and "allow" in exc.headers else {}
+    else:
+        error = GatewayError(f"no route {request.url.path}", status=404, code="unknown_url", retryable=False)
+        extra = {}
+    headers = dict((k.decode(), v.decode()) for k, v in error_headers(error))
+    return Response(envelope_bytes(error), status_code=error.status, headers={**headers, **extra})
 
 
 async def healthz(request: Request) -> Response:
@@ -62,7 +92,7 @@ def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
     for entry in settings.mcp_server:
         label, _, url = entry.partition("=")
         servers.append(McpServerConfig(label=label, url=url))
-    if demo:
+    if demo and not any(server.label == "demo" for server in servers):
         from middleware.demo_tools import create_demo_server
 
         servers.append(McpServerConfig(label="demo", app=create_demo_server()))
@@ -84,6 +114,7 @@ def create_app(
     `upstream_factory(settings, base_url)` makes the upstream client (default `HttpxUpstream`).
     """
     state = GatewayState(settings=settings)
+    authenticator = Authenticator(settings.api_keys())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -101,9 +132,12 @@ def create_app(
             )
         state.upstream = upstream_factory(settings, base_url)
         state.catalog = build_catalog(settings, demo=devmodel is not None)
+        state.store = open_store(settings.store)
+        await state.store.open()
         try:
             yield
         finally:
+            await state.store.close()
             await state.upstream.aclose()
             if devmodel is not None:
                 await asyncio.to_thread(devmodel.stop)
@@ -113,14 +147,29 @@ def create_app(
         ResponsesApp(state),
         limits=settings.limits,
         client_body_timeout=settings.client_body_timeout,
+        authenticator=authenticator,
     )
+
+    def get_store() -> Store:
+        assert state.store is not None, "the lifespan opens the store"
+        return state.store
+
+    def owner_of(request: Request) -> str:
+        return authenticator.owner(request.scope)
+
     routes: list[Any] = [
         Route("/v1/responses", responses, methods=["POST"]),
+        *store_routes(get_store, owner_of),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/metrics/", metrics_endpoint, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    handlers: dict[Any, Any] = {
+        GatewayError: gateway_error_response,
+        404: route_error_response,
+        405: route_error_response,
+    }
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
 
 
 def create_app_from_env() -> Starlette:

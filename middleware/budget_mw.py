@@ -2,6 +2,7 @@
 
 Pure ASGI (DESIGN.md §2, STYLE.md). For each ``POST /v1/responses`` it
 
+0. checks the gateway API key (401 ``invalid_api_key``) and derives the caller's identity;
 1. computes the request's effective `Limits` (server settings and the client's lowering headers
    ``loopwarden-max-retained-bytes`` / ``loopwarden-max-infer-iters``; the smallest wins);
 2. enforces the raw body clamp ``max_retained_bytes // 32`` from ``Content-Length`` before reading
@@ -36,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from budget import BudgetExceeded, JsonInvalid, JsonNodeCounter, JsonTooDeep, Ledger, Limits, loads_strict
 from middleware import metrics
+from middleware.auth import Authenticator
 from middleware.context import RequestContext
 from middleware.errors import GatewayError, InvalidRequest, envelope_bytes, error_headers, sse_error_frame
 from middleware.upstream import UpstreamError
@@ -83,8 +85,10 @@ class BudgetMiddleware:
         client_body_timeout: float = 30.0,
         model_limits: Mapping[str, Limits] | None = None,
         configured_models: frozenset[str] = frozenset(),
+        authenticator: Authenticator | None = None,
     ) -> None:
         self.app = app
+        self.authenticator = authenticator or Authenticator(())
         self.limits = limits
         self.client_body_timeout = client_body_timeout
         self.model_limits = dict(model_limits or {})
@@ -173,6 +177,10 @@ class _Guard:
         return Limits.smallest(self.mw.limits, Limits(**{**vars_of(self.mw.limits), **lowered}))
 
     async def _admit(self) -> RequestContext:
+        try:
+            owner = self.mw.authenticator.owner(self.scope)
+        except GatewayError as error:
+            raise _Answered(error) from None
         limits = self._effective_limits()
         clamp = limits.max_retained_bytes // 32
         declared = None
@@ -250,6 +258,7 @@ class _Guard:
             stream=request.get("stream") is True,
             store=store,
             model_label=self.model_label,
+            owner=owner,
         )
 
     async def _read_body(self, clamp: int, limits: Limits, counter: JsonNodeCounter) -> bytes:

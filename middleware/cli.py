@@ -70,6 +70,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--tool-max-result-bytes", type=int, help="per-call tool result cap in bytes (default 262144)"
     )
     p.add_argument("--log-level", help="critical, error, warning, info or debug (default info)")
+    p.add_argument(
+        "--store",
+        help="where responses are stored: sqlite:///PATH (default sqlite:///./.loopwarden/loopwarden.db), "
+        "postgresql://USER@HOST/DB, or memory",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        help="a gateway API key clients must present; repeatable (prefer --api-key-file or $LOOPWARDEN_API_KEY)",
+    )
+    p.add_argument("--api-key-file", help="file with gateway API keys, one per line")
     p.add_argument("--config", help="YAML or TOML file with settings (flags override it)")
 
 
@@ -122,8 +133,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"loopwarden: {exc}", file=sys.stderr)
         return 2
+    try:
+        keys = settings.api_keys()
+    except ConfigError as exc:
+        print(f"loopwarden: {exc}", file=sys.stderr)
+        return 2
+    if not keys:
+        print(
+            "loopwarden: WARNING: no API key configured (--api-key-file, $LOOPWARDEN_API_KEY): "
+            "the gateway is open to anyone who can reach it",
+            file=sys.stderr,
+        )
     print(
-        f"loopwarden: serving on http://{settings.host}:{settings.port} "
+        f"loopwarden: starting on http://{settings.host}:{settings.port} "
         f"(upstream: {settings.upstream or 'embedded development model'}, "
         f"max_infer_iters={settings.max_infer_iters}, max_retained_bytes={settings.max_retained_bytes})",
         file=sys.stderr,

@@ -56,10 +56,13 @@ class Settings:
     tool_timeout: float = 60.0
     tool_concurrency: int = 5
     tool_max_result_bytes: int = 262_144
+    store: str = "sqlite:///./.loopwarden/loopwarden.db"
+    api_key: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    api_key_file: str | None = None
     config: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("mcp_server", "mcp_allow"):
+        for name in ("mcp_server", "mcp_allow", "api_key"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for entry in self.mcp_server:
             label, sep, url = entry.partition("=")
@@ -67,6 +70,12 @@ class Settings:
                 raise ConfigError(
                     f"mcp_server entries must look like LABEL=http(s)://HOST/PATH, got {entry!r}"
                 )
+        if self.store != "memory" and not self.store.startswith(
+            ("sqlite:///", "postgresql://", "postgres://")
+        ):
+            raise ConfigError(
+                f"store must be memory, sqlite:///PATH or postgresql://..., got {self.store.split('://')[0]!r}"
+            )
         if not 1 <= self.tool_concurrency <= 100:
             raise ConfigError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
         if not 1 <= self.tool_max_result_bytes <= 268_435_456:
@@ -103,6 +112,24 @@ class Settings:
             raise ConfigError(
                 f"log_level must be one of critical, error, warning, info, debug, got {self.log_level!r}"
             )
+
+    def api_keys(self) -> list[str]:
+        """The gateway API keys: ``api_key`` entries plus the lines of ``api_key_file``.
+
+        Raises ConfigError when the file cannot be read.
+        """
+        keys = list(self.api_key)
+        if self.api_key_file:
+            try:
+                text = Path(self.api_key_file).read_text()
+            except OSError as exc:
+                raise ConfigError(f"cannot read api_key_file {self.api_key_file}: {exc.strerror}") from None
+            keys += [
+                line.strip()
+                for line in text.splitlines()
+                if line.strip() and not line.strip().startswith("#")
+            ]
+        return keys
 
     @property
     def limits(self) -> Limits:

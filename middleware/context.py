@@ -21,6 +21,7 @@ class RequestContext:
     ``stream``: the client asked for SSE. ``store``: the request's ``store`` (default true).
     ``next_sequence``: the ``sequence_number`` the next SSE event to the client will carry.
     ``committed``: the response headers have been sent. ``rounds``: inference calls made so far.
+    ``owner``: the caller's identity (a hash of its API key) that stored responses belong to.
     """
 
     ledger: Ledger
@@ -30,6 +31,7 @@ class RequestContext:
     stream: bool
     store: bool
     model_label: str = "other"
+    owner: str = ""
     next_sequence: int = 0
     committed: bool = False
     rounds: int = 0

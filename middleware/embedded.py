@@ -23,7 +23,7 @@ class BackgroundServer:
     """
 
     def __init__(
-        self, app: Any, *, host: str = "127.0.0.1", log_level: str = "warning", **config: Any
+        self, app: Any, *, host: str = "127.0.0.1", log_level: str | None = None, **config: Any
     ) -> None:
         # proto=IPPROTO_TCP lets asyncio set TCP_NODELAY on accepted connections (no 40 ms delayed-ACK stalls)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -32,6 +32,10 @@ class BackgroundServer:
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         config.setdefault("lifespan", "on")
+        # Leave the host process's logging alone: uvicorn applies log_config, log_level and
+        # access_log=False to the process-wide "uvicorn.*" loggers, which would silence the
+        # gateway's own access log.
+        config.setdefault("log_config", None)
         self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **config))
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True

@@ -1,5 +1,9 @@
 """The Responses app behind `BudgetMiddleware`: one client request, its upstream rounds, one answer.
 
+Requests with gateway-owned (MCP) tools, and requests that use the store (``store`` on,
+``previous_response_id``, ``conversation``) run in `AgentLoop`; the rest — one stateless round
+with nothing for the gateway to change — take the pass-through path here.
+
 It reads the `RequestContext` the middleware admitted, calls the upstream (mirroring the client's
 ``stream`` flag; an SSE answer to a buffered call is aggregated), charges everything it keeps to
 the request's ledger (`middleware.stream`), and either forwards the stream to the client or
@@ -43,9 +47,17 @@ class ResponsesApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = context_of(scope)
         tools = ctx.request.get("tools")
-        if isinstance(tools, list) and any(isinstance(t, dict) and t.get("type") == "mcp" for t in tools):
+        has_mcp = isinstance(tools, list) and any(
+            isinstance(t, dict) and t.get("type") == "mcp" for t in tools
+        )
+        stateful = self.state.store is not None and (
+            ctx.store
+            or ctx.request.get("previous_response_id") is not None
+            or ctx.request.get("conversation") is not None
+        )
+        if has_mcp or stateful:
             assert self.state.catalog is not None, "the lifespan creates the tool catalog"
-            resolved = await self.state.catalog.resolve(tools)
+            resolved = await self.state.catalog.resolve(tools if isinstance(tools, list) else None)
             await AgentLoop(self.state, ctx, send, resolved).run()
             return
         try:

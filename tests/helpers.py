@@ -50,6 +50,7 @@ class CountingApp:
 def gateway(upstream: MockUpstream | None, **overrides: Any) -> Iterator[tuple[str, CountingApp]]:
     """The gateway (wrapped in `CountingApp`) on a real uvicorn; yields (base URL, counter)."""
     overrides.setdefault("max_retained_bytes", B)
+    overrides.setdefault("store", "memory")
     overrides.setdefault("max_infer_iters", 3)
     overrides.setdefault("upstream_read_timeout", 2.0)
     overrides.setdefault("upstream_connect_timeout", 2.0)
@@ -233,6 +234,7 @@ def counting_gateway(
     from middleware.app import default_upstream
 
     overrides.setdefault("max_retained_bytes", B)
+    overrides.setdefault("store", "memory")
     overrides.setdefault("upstream_read_timeout", 2.0)
     settings = Settings(upstream=upstream.base_url, **overrides)
     holder: list[CountingUpstream] = []

@@ -14,7 +14,7 @@ DEMO = {"type": "mcp", "server_label": "demo", "require_approval": "never"}
 
 
 def test_demo_multi_round_loop_with_mcp_calls() -> None:
-    with serve_asgi(create_app(Settings())) as url, sdk(url) as client:
+    with serve_asgi(create_app(Settings(store="memory"))) as url, sdk(url) as client:
         response = client.responses.create(model="dev", input="calculate 6*7", tools=[DEMO])  # type: ignore[list-item]
         with client.responses.stream(model="dev", input="what does get_time say?", tools=[DEMO]) as stream:  # type: ignore[list-item]
             types = [event.type for event in stream]
@@ -31,7 +31,7 @@ def test_demo_multi_round_loop_with_mcp_calls() -> None:
 
 def test_demo_loop_forever_is_508() -> None:
     with (
-        serve_asgi(create_app(Settings(max_infer_iters=3))) as url,
+        serve_asgi(create_app(Settings(max_infer_iters=3, store="memory"))) as url,
         sdk(url) as client,
         pytest.raises(openai.APIStatusError) as info,
     ):

@@ -501,9 +501,15 @@ def reference_stream(nl: bytes = b"\n") -> list[bytes]:
 
 
 def stream_via_gateway(upstream: MockUpstream, parts: list[Any]) -> list[dict[str, Any]]:
+    """The client-visible events, with the gateway-minted response id replaced by a constant."""
     upstream.push(Reply.sse(parts))
     with gateway(upstream) as (url, _), sdk(url) as client:
-        return [e.to_dict() for e in client.responses.create(model="m", input="x", stream=True)]
+        events = [e.to_dict() for e in client.responses.create(model="m", input="x", stream=True)]
+    for event in events:
+        if isinstance(event.get("response"), dict):
+            assert event["response"]["id"].startswith("resp_")
+            event["response"]["id"] = "resp_gateway"
+    return events
 
 
 def test_b09_b10_b11_framing_variants_give_identical_client_events(upstream: MockUpstream) -> None:
@@ -698,3 +704,17 @@ def test_function_call_output_of_a_stream_reaches_the_client_unchanged(upstream:
     with gateway(upstream) as (url, _), sdk(url) as client:
         events = list(client.responses.create(model="m", input="x", stream=True))
     assert events[-1].response.output[0].to_dict() == call
+
+
+def test_api_keys_gate_every_create_request(upstream: MockUpstream) -> None:
+    upstream.push(ok_reply())
+    with gateway(upstream, api_key=("k-one", "k-two")) as (url, counter):
+        missing = post(url, PREFIX + b"hi" + SUFFIX)
+        wrong = post(url, PREFIX + b"hi" + SUFFIX, authorization="Bearer nope")
+        right = post(url, PREFIX + b"hi" + SUFFIX, authorization="Bearer k-two")
+    assert (missing.status_code, wrong.status_code, right.status_code) == (401, 401, 200)
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert "no API key" in missing.json()["error"]["message"]
+    assert "k-one" not in wrong.text and "nope" not in wrong.text
+    assert counter.body_bytes == len(PREFIX + b"hi" + SUFFIX), "refused requests' bodies are not read"
+    assert len(upstream.requests) == 1

@@ -749,10 +749,24 @@ def test_requests_without_gateway_tools_are_untouched_by_the_loop(
     upstream: MockUpstream, mcp_url: str
 ) -> None:
     body = response_obj([FC("call_T", "get_time", "{}")])
-    upstream.push(Reply.json(body))
+    upstream.push(Reply.json(body), Reply.json(body))
     with loop_gateway(upstream, mcp_url) as (url, _):
-        r = httpx.post(
+        stateless = httpx.post(
+            url + "/v1/responses",
+            json={"model": "m", "input": "x", "tools": [GET_TIME], "store": False},
+            timeout=10,
+        )
+        stored = httpx.post(
             url + "/v1/responses", json={"model": "m", "input": "x", "tools": [GET_TIME]}, timeout=10
         )
-    assert r.json() == body
-    assert json.loads(upstream.requests[0].body) == {"model": "m", "input": "x", "tools": [GET_TIME]}
+    assert stateless.json() == body  # nothing for the gateway to change: forwarded as it is
+    assert json.loads(upstream.requests[0].body) == {
+        "model": "m",
+        "input": "x",
+        "tools": [GET_TIME],
+        "store": False,
+    }
+    # with the store on, the gateway owns the history: the upstream stores nothing
+    sent = json.loads(upstream.requests[1].body)
+    assert sent["store"] is False and sent["input"] == "x" and sent["tools"] == [GET_TIME]
+    assert stored.json()["id"] != "resp_up" and stored.json()["output"] == body["output"]

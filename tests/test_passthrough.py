@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -40,6 +41,7 @@ def upstream() -> Iterator[MockUpstream]:
 
 
 def gateway(upstream: MockUpstream, **overrides: Any) -> Any:
+    overrides.setdefault("store", "memory")
     settings = Settings(upstream=upstream.base_url, upstream_api_key="operator-secret", **overrides)
     return serve_asgi(create_app(settings))
 
@@ -57,39 +59,107 @@ def _split(params: dict[str, Any]) -> dict[str, Any]:
     return {**known, "extra_body": extra} if extra else known
 
 
+def _items(value: Any) -> list[Any]:
+    return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else list(value)
+
+
+def _recorded_output(turn: Any) -> list[Any]:
+    """The output items a recorded turn produced (terminal response, else the .done events)."""
+    if turn.body is not None:
+        return list(turn.body["output"])
+    terminal = turn.events[-1].get("response", {})
+    if isinstance(terminal.get("output"), list):
+        return list(terminal["output"])
+    done = [e for e in turn.events if e.get("type") == "response.output_item.done"]
+    return [e["item"] for e in sorted(done, key=lambda e: e["output_index"])]
+
+
+# What the gateway owns in a response object (its id, the echo of what the client asked for).
+GATEWAY_OWNED = {
+    "id",
+    "object",
+    "store",
+    "previous_response_id",
+    "tools",
+    "tool_choice",
+    "conversation",
+    "usage",
+}
+
+
+def _unanswered(items: list[Any]) -> list[str]:
+    answered = {i.get("call_id") for i in items if i.get("type") == "function_call_output"}
+    return [i["call_id"] for i in items if i.get("type") == "function_call" and i["call_id"] not in answered]
+
+
+def _client_view(event: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in event.items() if k != "sequence_number"}
+    if isinstance(out.get("response"), dict):
+        out["response"] = {k: v for k, v in out["response"].items() if k not in GATEWAY_OWNED | {"output"}}
+    return out
+
+
 @pytest.mark.skipif(CASSETTES is None, reason=SKIP_REASON)
 @pytest.mark.parametrize("name", _cassette_ids())
-def test_cassette_replays_unchanged(upstream: MockUpstream, name: str) -> None:
+def test_cassette_replays_with_the_whole_item_chain_upstream(upstream: MockUpstream, name: str) -> None:
+    """Each recorded turn is replayed through the gateway with its store on: the client sees the
+    recorded events and output items (under the gateway's own response id), and the upstream
+    receives ``store: false`` and, for a turn continuing ``previous_response_id``, the whole item
+    chain — every earlier turn's input and output items, oldest first — then the new input."""
     assert CASSETTES is not None
     turns = list(load_cassette(CASSETTES / name))
     assert turns, f"{name} has no turns"
     upstream.push(*(t.reply for t in turns))
-    ids: dict[str, str] = {}
+    ids: dict[str, str] = {}  # recorded response id -> the gateway's
+    chains: dict[str, list[Any]] = {}  # recorded response id -> the items its chain holds
     with gateway(upstream) as url, sdk(url) as client:
         for i, turn in enumerate(turns):
             params = dict(turn.request)
-            if params.get("previous_response_id") in ids:
-                params["previous_response_id"] = ids[params["previous_response_id"]]
+            previous = params.get("previous_response_id")
+            if previous is not None:
+                params["previous_response_id"] = ids[previous]
+            history = chains.get(previous, []) if previous is not None else []
+            dangling = _unanswered([*history, *_items(turn.request["input"])]) if history else []
+            if dangling:
+                # Recorded against a lenient server; the gateway follows OpenAI (case B03): a stored
+                # call left without its output is a 400 naming it, before any upstream call.
+                with pytest.raises(openai.BadRequestError) as info:
+                    client.responses.create(**_split(params))
+                assert dangling[0] in info.value.message
+                assert len(upstream.requests) == i
+                return
             if turn.events is not None:
                 params["stream"] = True
                 got = [e.to_dict() for e in client.responses.create(**_split(params))]
                 want = turn.events
                 assert [e["type"] for e in got] == [e.get("type") for e in want]
-                assert got == want
-                terminal = want[-1].get("response", {})
-                ids[terminal.get("id", f"turn{i}")] = got[-1].get("response", {}).get("id", f"turn{i}")
+                assert [e["sequence_number"] for e in got] == list(range(len(got)))
+                assert [_client_view(e) for e in got] == [_client_view(e) for e in want]
+                recorded_id = want[-1].get("response", {}).get("id", f"turn{i}")
+                gateway_id = got[-1]["response"]["id"]
+                output = got[-1]["response"]["output"]
             else:
                 assert turn.body is not None
                 raw = client.responses.with_raw_response.create(**_split(params))
                 assert raw.status_code == 200
-                assert raw.http_response.json() == turn.body
                 parsed = raw.parse()
-                assert [item.to_dict() for item in parsed.output] == turn.body["output"]
-                ids[turn.body["id"]] = parsed.id
-            sent = upstream.requests[i]
-            assert sent.path == "/v1/responses"
-            assert sent.json() == params, "the upstream must receive what the client sent"
-            assert sent.headers["authorization"] == "Bearer operator-secret"
+                body = raw.http_response.json()
+                assert {k: v for k, v in body.items() if k not in GATEWAY_OWNED} == {
+                    k: v for k, v in turn.body.items() if k not in GATEWAY_OWNED
+                }
+                recorded_id, gateway_id, output = turn.body["id"], parsed.id, body["output"]
+            assert gateway_id.startswith("resp_") and gateway_id != recorded_id
+            assert output == _recorded_output(turn)
+            ids[recorded_id] = gateway_id
+            chains[recorded_id] = [*history, *_items(turn.request["input"]), *_recorded_output(turn)]
+            sent = upstream.requests[i].json()
+            assert upstream.requests[i].path == "/v1/responses"
+            assert upstream.requests[i].headers["authorization"] == "Bearer operator-secret"
+            assert sent["store"] is False and "previous_response_id" not in sent
+            want_input = [*history, *_items(turn.request["input"])] if history else turn.request["input"]
+            assert sent["input"] == want_input, "the upstream receives the whole item chain, in order"
+            for key in ("model", "tools", "tool_choice", "instructions"):
+                assert sent.get(key) == turn.request.get(key)
     assert len(upstream.requests) == len(turns)
 
 
@@ -105,7 +175,11 @@ def test_sse_answer_to_a_buffered_call_is_aggregated(upstream: MockUpstream) -> 
         params = {**turn.request, "stream": False}
         raw = client.responses.with_raw_response.create(**_split(params))
     assert raw.status_code == 200
-    assert raw.http_response.json() == turn.events[-1]["response"]
+    body = raw.http_response.json()
+    recorded = turn.events[-1]["response"]
+    assert {k: v for k, v in body.items() if k not in GATEWAY_OWNED} == {
+        k: v for k, v in recorded.items() if k not in GATEWAY_OWNED
+    }
     assert raw.parse().output[0].type == "function_call"
 
 
@@ -177,7 +251,7 @@ def test_upstream_read_timeout_is_a_504_not_a_hang(upstream: MockUpstream) -> No
 
 
 def test_upstream_unreachable_is_a_502_envelope() -> None:
-    settings = Settings(upstream="http://127.0.0.1:9/v1", upstream_connect_timeout=2)
+    settings = Settings(upstream="http://127.0.0.1:9/v1", upstream_connect_timeout=2, store="memory")
     with serve_asgi(create_app(settings)) as url:
         r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "x"}, timeout=10)
     assert r.status_code == 502
@@ -201,7 +275,7 @@ def test_framing_headers_are_not_copied_from_upstream(upstream: MockUpstream) ->
         )
     )
     with gateway(upstream) as url:
-        r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "x"}, timeout=10)
+        r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "x", "store": False}, timeout=10)
     assert r.status_code == 200
     assert "content-encoding" not in r.headers
     assert r.headers["content-length"] == str(len(r.content))
@@ -209,7 +283,7 @@ def test_framing_headers_are_not_copied_from_upstream(upstream: MockUpstream) ->
 
 
 def test_embedded_dev_model_serves_without_upstream() -> None:
-    with serve_asgi(create_app(Settings())) as url, sdk(url) as client:
+    with serve_asgi(create_app(Settings(store="memory"))) as url, sdk(url) as client:
         response = client.responses.create(model="dev", input="hello")
         assert response.status == "completed"
         assert response.output_text == "You said: hello"
@@ -227,3 +301,12 @@ def test_healthz_and_metrics(upstream: MockUpstream) -> None:
         metrics = httpx.get(url + "/metrics")
     assert metrics.status_code == 200
     assert "loopwarden_requests_total" in metrics.text
+
+
+def test_unknown_routes_and_methods_use_the_error_envelope(upstream: MockUpstream) -> None:
+    with gateway(upstream) as url:
+        missing = httpx.get(url + "/v1/models-nope", timeout=10)
+        wrong = httpx.get(url + "/v1/responses", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_url"
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert wrong.headers["content-type"] == "application/json"

@@ -1,0 +1,65 @@
+"""Gateway API keys and the caller's identity (DESIGN.md §7: stored responses belong to a key).
+
+`Authenticator(keys)`: with keys configured, a request must present one of them as
+``Authorization: Bearer KEY`` (or ``api-key: KEY``), else 401 ``invalid_api_key``. With none
+configured the gateway is open (the CLI warns at start-up). Either way the caller's identity,
+`owner`, is a SHA-256 hash of the presented key (of the empty string when none), so stored
+responses are isolated per key and no key is ever stored. Keys are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+from starlette.types import Scope
+
+from middleware.errors import GatewayError
+
+
+def presented_key(scope: Scope) -> str:
+    """The key a request presents: ``Authorization: Bearer KEY`` or ``api-key: KEY`` ("" if none)."""
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                return token.strip()
+        elif lowered == b"api-key":
+            return value.decode("latin-1").strip()
+    return ""
+
+
+def owner_of_key(key: str) -> str:
+    """The caller identity stored with its responses: ``sha256:<hex>`` of the key."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+class Authenticator:
+    """Checks a request's key against the configured ones and derives its owner."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+
+    @property
+    def open(self) -> bool:
+        """True when no key is configured (every request is admitted)."""
+        return not self._digests
+
+    def owner(self, scope: Scope) -> str:
+        """The request's owner; raises 401 ``invalid_api_key`` when keys are configured and the
+        presented key is missing or not one of them."""
+        key = presented_key(scope)
+        if self._digests:
+            digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+            if not any(hmac.compare_digest(digest, known) for known in self._digests):
+                what = "no API key was presented" if not key else "the API key is not valid for this gateway"
+                raise GatewayError(
+                    f"{what}; send Authorization: Bearer <key> with a key configured by --api-key",
+                    status=401,
+                    code="invalid_api_key",
+                    retryable=False,
+                )
+        return owner_of_key(key)

@@ -1,0 +1,793 @@
+"""Persistence of responses and conversations (DESIGN.md §7, issue 6): the `Store`.
+
+`open_store(url)` picks the backend; ``await store.open()`` connects and applies the schema
+migrations (idempotent; safe when several gateways start at once against one PostgreSQL);
+``await store.close()`` releases everything. ``async with open_store(url) as store:`` does both.
+
+=====================================  ===================================================
+URL                                    backend
+=====================================  ===================================================
+``memory``                             SQLite in memory (tests, throwaway runs) — the same
+                                       SQL and code path as a file
+``sqlite:///relative/path.db``         SQLite file, relative to the working directory
+``sqlite:////absolute/path.db``        SQLite file, absolute path (parents are created)
+``postgresql://user@host:port/db``     PostgreSQL (psycopg 3, a small async pool); several
+                                       gateway hosts may share one database
+=====================================  ===================================================
+
+The schema is described in `middleware.store_schema`; the backends in
+`middleware.store_backends`. Every statement is written once, here, and runs on both.
+
+What is stored for a response (one transaction, `Store.save_response`): the response row (the
+final response object as returned to the client, the request parameters, status, owner, ...)
+and its items in three roles — ``input`` (the request's input items as the client sent them),
+``output`` (the client-visible output items) and ``replay`` (the upstream form of the output,
+gateway ``mcp_call``s as their ``function_call`` / ``function_call_output`` pairs). Restoring a
+``previous_response_id`` chain sends, oldest response first, each response's ``input`` then its
+``replay`` items (`Store.load_chain`); the size of that history is summed in SQL first
+(`Store.chain_size`) so the ledger can admit it (``Ledger.admit_history_size``) before a single
+row is decoded.
+
+Sizes: ``size_bytes`` is the length in bytes of the item's compact UTF-8 JSON
+(``separators=(",", ":")``, non-ASCII kept as UTF-8); ``node_count`` is
+``budget.count_json_nodes`` of those bytes.
+
+Secrets: MCP ``headers`` and ``authorization`` fields of the ``tools`` of the request and of the
+response object are dropped here, whatever the caller already did.
+
+Ownership: every read, delete and append takes the caller's ``owner`` (a hash of its API key);
+another owner's objects behave as if they did not exist (None / False → HTTP 404).
+
+Errors: `StoreError` and its subclasses (`StoreUnavailable` for database failures,
+`DuplicateId`, `ConversationNotFound`, `UnknownCursor`, `SchemaTooNew`); `ValueError` for an
+invalid URL or argument (a caller bug).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from budget import count_json_nodes
+
+from .store_backends import (
+    Backend,
+    ConversationNotFound,
+    DuplicateId,
+    PostgresBackend,
+    SchemaTooNew,
+    SqliteBackend,
+    StoreError,
+    StoreUnavailable,
+    Tx,
+    UniqueViolation,
+    UnknownCursor,
+    redact_url,
+)
+from .store_schema import MIGRATIONS, MIGRATIONS_TABLE
+
+__all__ = [
+    "CONTINUABLE_STATUSES",
+    "RESPONSE_STATUSES",
+    "ChainInfo",
+    "ConversationNotFound",
+    "DuplicateId",
+    "Order",
+    "Page",
+    "SchemaTooNew",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "StoredResponse",
+    "UnknownCursor",
+    "encode_json",
+    "open_store",
+    "present_item",
+    "strip_secrets",
+]
+
+JsonObject = dict[str, Any]
+Order = Literal["asc", "desc"]
+
+#: The store's one JSON decoder: every stored item, request and response is decoded through it
+#: (tests patch it to prove that `Store.chain_size` and `Store.conversation_size` decode nothing).
+_loads = json.loads
+
+#: Statuses a response can be stored with (OpenAI's ``ResponseStatus``).
+RESPONSE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "in_progress", "queued"})
+#: Only these may be continued with ``previous_response_id`` (DESIGN.md §7).
+CONTINUABLE_STATUSES = frozenset({"completed", "incomplete"})
+#: Fields of a tool definition that carry credentials and are never stored.
+SECRET_TOOL_FIELDS = frozenset({"headers", "authorization"})
+#: A chain walk stops after this many responses (a guard against a corrupt, cyclic chain).
+MAX_CHAIN_LENGTH = 100_000
+#: Page sizes accepted by the list methods (as OpenAI's API).
+MIN_LIMIT, MAX_LIMIT = 1, 100
+
+_ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+    "mcp_call": "mcp",
+    "mcp_list_tools": "mcpl",
+    "mcp_approval_request": "mcpr",
+    "mcp_approval_response": "mcpa",
+}
+
+
+# --- public value types ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """One stored response.
+
+    ``created_at``: epoch seconds. ``status``: one of `RESPONSE_STATUSES` (the true one: a
+    response whose client went away is ``cancelled``). ``response``: the final response object as
+    returned to the client. ``request``: the request parameters (instructions, tools,
+    tool_choice, metadata, ...; not the input, which is stored as items).
+    """
+
+    id: str
+    owner: str
+    created_at: int
+    status: str
+    model: str | None
+    previous_response_id: str | None
+    conversation_id: str | None
+    response: JsonObject = field(repr=False)
+    request: JsonObject = field(repr=False)
+
+
+@dataclass(frozen=True)
+class ChainInfo:
+    """Size of the history a continuation would restore, summed in SQL, nothing decoded.
+
+    ``size_bytes`` / ``node_count``: sums over the items `Store.load_chain` (or
+    `Store.load_conversation`) would return — charge them with
+    ``Ledger.admit_history_size(size_bytes, node_count)`` before loading. ``item_count``: how
+    many items. ``length``: responses in the chain (1 = no previous response; 0 for a
+    conversation). ``head_status``: the status of the response asked for (None for a
+    conversation); only `CONTINUABLE_STATUSES` may be continued. ``missing_id``: the first
+    ``previous_response_id`` of the chain that is no longer stored (deleted), None when the chain
+    is whole. ``through_seq``: for a conversation, the last item ``seq`` counted (-1 when empty):
+    pass it to `Store.load_conversation` so items appended meanwhile are not loaded unadmitted.
+    """
+
+    size_bytes: int
+    node_count: int
+    item_count: int
+    length: int
+    head_status: str | None
+    missing_id: str | None = None
+    through_seq: int | None = None
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of a list, as OpenAI's cursor lists: ``data`` (items with ``id``s),
+    ``first_id`` / ``last_id`` (None when empty), ``has_more``."""
+
+    data: list[JsonObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+    def to_json(self) -> JsonObject:
+        """``{"object": "list", "data", "first_id", "last_id", "has_more"}``."""
+        return {
+            "object": "list",
+            "data": self.data,
+            "first_id": self.first_id,
+            "last_id": self.last_id,
+            "has_more": self.has_more,
+        }
+
+
+# --- item helpers ------------------------------------------------------------------------------
+
+
+def encode_json(value: object) -> str:
+    """Compact JSON text of ``value`` (``,``/``:`` separators, non-ASCII kept). A string with a
+    lone surrogate, which UTF-8 cannot encode, falls back to ASCII escapes. Raises `ValueError`
+    for NaN or an infinity (not JSON) and `TypeError` for a value JSON cannot hold."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return text
+
+
+def new_id(prefix: str) -> str:
+    """``PREFIX_`` + 48 random hex digits, like OpenAI's ids."""
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+def strip_secrets(obj: JsonObject) -> JsonObject:
+    """``obj`` with `SECRET_TOOL_FIELDS` removed from each entry of its ``tools`` (a shallow copy
+    when something is removed; ``obj`` itself otherwise). Nested values are left alone: a
+    function tool's JSON schema may well have a property named ``headers``."""
+    tools = obj.get("tools")
+    if not isinstance(tools, list) or not any(
+        isinstance(tool, dict) and not SECRET_TOOL_FIELDS.isdisjoint(tool) for tool in tools
+    ):
+        return obj
+    cleaned = [
+        {key: value for key, value in tool.items() if key not in SECRET_TOOL_FIELDS}
+        if isinstance(tool, dict)
+        else tool
+        for tool in tools
+    ]
+    return {**obj, "tools": cleaned}
+
+
+def present_item(item: JsonObject, item_id: str) -> JsonObject:
+    """A stored item as the list endpoints show it: with its ``id``; an easy message
+    (``{"role", "content": "text"}``) as a full ``message`` item with a content list and a
+    ``status``. The stored form (sent upstream as it is) is not changed."""
+    shown: JsonObject = {"id": item_id}
+    if "type" not in item and "role" in item:
+        shown["type"] = "message"
+    shown.update(item)
+    if shown.get("type") == "message":
+        content = shown.get("content")
+        if isinstance(content, str):
+            if shown.get("role") == "assistant":
+                shown["content"] = [{"type": "output_text", "text": content, "annotations": []}]
+            else:
+                shown["content"] = [{"type": "input_text", "text": content}]
+        shown.setdefault("status", "completed")
+    return shown
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    item_id: str
+    type: str
+    text: str
+    size_bytes: int
+    node_count: int
+
+
+def _prepare(item: object) -> _Prepared:
+    if not isinstance(item, dict):
+        raise ValueError(f"a stored item must be a JSON object, got {type(item).__name__}")
+    text = encode_json(item)
+    data = text.encode("utf-8")
+    raw_type = item.get("type")
+    item_type = raw_type if isinstance(raw_type, str) else ("message" if "role" in item else "unknown")
+    raw_id = item.get("id")
+    item_id = raw_id if isinstance(raw_id, str) and raw_id else new_id(_ID_PREFIX.get(item_type, "item"))
+    return _Prepared(item_id, item_type, text, len(data), count_json_nodes(data))
+
+
+def _decode(text: str) -> Any:
+    return _loads(text)
+
+
+def _decode_object(text: str | None) -> JsonObject:
+    value = _decode(text) if text is not None else {}
+    return value if isinstance(value, dict) else {}
+
+
+def _check_page_args(limit: int, order: str) -> None:
+    if not MIN_LIMIT <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be in {MIN_LIMIT}..={MAX_LIMIT}, got {limit}")
+    if order not in ("asc", "desc"):
+        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+
+
+# --- SQL ---------------------------------------------------------------------------------------
+
+_CHAIN_CTE = f"""
+WITH RECURSIVE chain (id, prev, depth, status) AS (
+    SELECT id, previous_response_id, 1, status FROM responses WHERE id = ? AND owner = ?
+    UNION ALL
+    SELECT r.id, r.previous_response_id, c.depth + 1, r.status
+    FROM responses r JOIN chain c ON r.id = c.prev
+    WHERE r.owner = ? AND c.depth < {MAX_CHAIN_LENGTH}
+)
+"""
+
+# Never selects the item column: sizes were measured when the items were written.
+_CHAIN_SIZE_SQL = (
+    _CHAIN_CTE
+    + """
+SELECT h.n, h.status, t.prev, s.nbytes, s.nodes, s.nitems
+FROM (SELECT COUNT(*) AS n, MAX(CASE WHEN depth = 1 THEN status END) AS status FROM chain) h,
+     (SELECT prev FROM chain ORDER BY depth DESC LIMIT 1) t,
+     (SELECT CAST(COALESCE(SUM(i.size_bytes), 0) AS BIGINT) AS nbytes,
+             CAST(COALESCE(SUM(i.node_count), 0) AS BIGINT) AS nodes,
+             COUNT(*) AS nitems
+      FROM items i JOIN chain c ON i.response_id = c.id
+      WHERE i.role IN ('input', 'replay')) s
+"""
+)
+
+_LOAD_CHAIN_SQL = (
+    _CHAIN_CTE
+    + """
+SELECT i.item FROM items i JOIN chain c ON i.response_id = c.id
+WHERE i.role IN ('input', 'replay')
+ORDER BY c.depth DESC, CASE i.role WHEN 'input' THEN 0 ELSE 1 END, i.seq
+"""
+)
+
+_CONVERSATION_SIZE_SQL = """
+SELECT c.next_seq,
+       CAST(COALESCE(SUM(i.size_bytes), 0) AS BIGINT),
+       CAST(COALESCE(SUM(i.node_count), 0) AS BIGINT),
+       COUNT(i.seq)
+FROM conversations c
+LEFT JOIN conversation_items i ON i.conversation_id = c.id AND i.role IN ('input', 'replay')
+WHERE c.id = ? AND c.owner = ?
+GROUP BY c.next_seq
+"""
+
+_INSERT_RESPONSE = """
+INSERT INTO responses (id, owner, created_at, status, model, previous_response_id, conversation_id,
+                       error, request, usage, response)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+"""
+_INSERT_ITEM = """
+INSERT INTO items (response_id, role, seq, item_id, type, item, size_bytes, node_count)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+"""
+_INSERT_CONVERSATION_ITEM = """
+INSERT INTO conversation_items (conversation_id, seq, role, item_id, type, item, size_bytes, node_count,
+                                response_id, created_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+"""
+# Locks the conversation row until commit: concurrent appends are serialized and get disjoint,
+# increasing seq ranges in commit order (SQLite serializes writers anyway).
+_ALLOCATE_SEQ = (
+    "UPDATE conversations SET next_seq = next_seq + ? WHERE id = ? AND owner = ? RETURNING next_seq"
+)
+
+
+# --- the store ---------------------------------------------------------------------------------
+
+
+class Store:
+    """Responses and conversations on one database; see the module docstring.
+
+    Build it with `open_store`; call `open` before use and `close` after. Safe for concurrent
+    use by many tasks of one event loop (PostgreSQL: up to the pool size at once; SQLite: one
+    transaction at a time). Every method is one transaction.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"Store({self.backend!r})"
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Connect and apply missing migrations (idempotent). Raises `StoreUnavailable` when the
+        database cannot be reached and `SchemaTooNew` when a newer loopwarden migrated it."""
+        await self.backend.open()
+        try:
+            await self._migrate()
+        except BaseException:
+            await self.backend.close()
+            raise
+
+    async def close(self) -> None:
+        """Close every connection (idempotent)."""
+        await self.backend.close()
+
+    async def __aenter__(self) -> Store:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _migrate(self) -> list[int]:
+        known = max(migration.version for migration in MIGRATIONS)
+        applied_now: list[int] = []
+        async with self.backend.transaction(write=True, schema=True) as tx:
+            await tx.fetch(MIGRATIONS_TABLE)
+            applied = {int(row[0]) for row in await tx.fetch("SELECT version FROM schema_migrations")}
+            if applied and max(applied) > known:
+                raise SchemaTooNew(max(applied), known)
+            for migration in MIGRATIONS:
+                if migration.version in applied:
+                    continue
+                for statement in migration.statements:
+                    await tx.fetch(statement)
+                await tx.fetch(
+                    "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
+                    (migration.version, migration.name, int(time.time())),
+                )
+                applied_now.append(migration.version)
+        return applied_now
+
+    async def schema_version(self) -> int:
+        """The highest applied migration version."""
+        async with self.backend.transaction(write=False) as tx:
+            rows = await tx.fetch("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
+        return int(rows[0][0])
+
+    # --- responses -----------------------------------------------------------------------------
+
+    async def save_response(
+        self,
+        resp: StoredResponse,
+        *,
+        input_items: list[JsonObject],
+        output_items: list[JsonObject],
+        replay_items: list[JsonObject],
+    ) -> None:
+        """Store a finished response and its items in ONE transaction.
+
+        When ``resp.conversation_id`` is set, the input, output and replay items are appended
+        to that conversation in the same transaction (the output shown by list calls, the
+        replay sent upstream by `load_conversation`). Nothing is stored when anything fails.
+
+        Raises `DuplicateId` (this id is already stored), `ConversationNotFound` (the
+        conversation is gone or another owner's), `StoreUnavailable`; `ValueError` for an
+        unknown status or an item that is not a JSON object.
+        """
+        if resp.status not in RESPONSE_STATUSES:
+            raise ValueError(f"status must be one of {sorted(RESPONSE_STATUSES)}, got {resp.status!r}")
+        response = strip_secrets(resp.response)
+        request = strip_secrets(resp.request)
+        error, usage = response.get("error"), response.get("usage")
+        roles = (
+            ("input", [_prepare(item) for item in input_items]),
+            ("output", [_prepare(item) for item in output_items]),
+            ("replay", [_prepare(item) for item in replay_items]),
+        )
+        row = (
+            resp.id,
+            resp.owner,
+            resp.created_at,
+            resp.status,
+            resp.model,
+            resp.previous_response_id,
+            resp.conversation_id,
+            None if error is None else encode_json(error),
+            encode_json(request),
+            None if usage is None else encode_json(usage),
+            encode_json(response),
+        )
+        item_rows = [
+            (resp.id, role, seq, p.item_id, p.type, p.text, p.size_bytes, p.node_count)
+            for role, prepared in roles
+            for seq, p in enumerate(prepared)
+        ]
+        try:
+            async with self.backend.transaction(write=True) as tx:
+                await tx.fetch(_INSERT_RESPONSE, row)
+                await tx.executemany(_INSERT_ITEM, item_rows)
+                if resp.conversation_id is not None:
+                    flat = [(role, p) for role, prepared in roles for p in prepared]
+                    first = await _allocate(tx, resp.conversation_id, resp.owner, len(flat))
+                    if first is None:
+                        raise ConversationNotFound(resp.conversation_id)
+                    await _insert_conversation_items(
+                        tx,
+                        resp.conversation_id,
+                        first,
+                        flat,
+                        response_id=resp.id,
+                        created_at=int(time.time()),
+                    )
+        except UniqueViolation as exc:
+            raise DuplicateId("response", resp.id) from exc
+
+    async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The stored response, or None when unknown or another owner's."""
+        async with self.backend.transaction(write=False) as tx:
+            rows = await tx.fetch(
+                "SELECT id, owner, created_at, status, model, previous_response_id, conversation_id,"
+                " response, request FROM responses WHERE id = ? AND owner = ?",
+                (response_id, owner),
+            )
+        if not rows:
+            return None
+        r = rows[0]
+        return StoredResponse(
+            id=r[0],
+            owner=r[1],
+            created_at=int(r[2]),
+            status=r[3],
+            model=r[4],
+            previous_response_id=r[5],
+            conversation_id=r[6],
+            response=_decode_object(r[7]),
+            request=_decode_object(r[8]),
+        )
+
+    async def delete_response(self, response_id: str, owner: str) -> bool:
+        """Delete a response and its items; False when unknown or another owner's. Responses
+        continuing from it keep their own items; their chains report it as ``missing_id``.
+        Items it appended to a conversation stay there."""
+        async with self.backend.transaction(write=True) as tx:
+            rows = await tx.fetch(
+                "DELETE FROM responses WHERE id = ? AND owner = ? RETURNING id", (response_id, owner)
+            )
+        return bool(rows)
+
+    async def chain_size(self, response_id: str, owner: str) -> ChainInfo | None:
+        """Size of the ``previous_response_id`` chain ending at ``response_id`` (its ``input`` and
+        ``replay`` items), summed in SQL without reading any item; None when unknown or another
+        owner's. One statement, a recursive CTE over ``responses``."""
+        async with self.backend.transaction(write=False) as tx:
+            rows = await tx.fetch(_CHAIN_SIZE_SQL, (response_id, owner, owner))
+        if not rows or not rows[0][0]:
+            return None
+        length, status, missing, nbytes, nodes, count = rows[0]
+        return ChainInfo(
+            size_bytes=int(nbytes),
+            node_count=int(nodes),
+            item_count=int(count),
+            length=int(length),
+            head_status=status,
+            missing_id=missing,
+        )
+
+    async def load_chain(self, response_id: str, owner: str) -> list[JsonObject]:
+        """The upstream items of the whole chain ending at ``response_id``, oldest response
+        first: each response's ``input`` items, then its ``replay`` items, each in stored order.
+        ``[]`` when unknown or another owner's. Call `chain_size` and admit it first."""
+        async with self.backend.transaction(write=False) as tx:
+            rows = await tx.fetch(_LOAD_CHAIN_SQL, (response_id, owner, owner))
+        return [_decode(row[0]) for row in rows]
+
+    async def list_input_items(
+        self,
+        response_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        """The response's input items, paged as OpenAI's ``GET /v1/responses/{id}/input_items``
+        (default newest first); None when unknown or another owner's. Raises `UnknownCursor`
+        when ``after`` names no input item of this response; `ValueError` for ``limit`` outside
+        1..=100 or another ``order``."""
+        _check_page_args(limit, order)
+        async with self.backend.transaction(write=False) as tx:
+            if not await tx.fetch("SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)):
+                return None
+            return await _page(tx, "items", "response_id", response_id, ("input",), after, limit, order)
+
+    # --- conversations -------------------------------------------------------------------------
+
+    async def create_conversation(
+        self, owner: str, *, items: list[JsonObject], metadata: dict[str, str] | None = None
+    ) -> JsonObject:
+        """Create a conversation holding ``items``; return the conversation object
+        ``{"id": "conv_...", "object": "conversation", "created_at", "metadata"}``."""
+        conversation_id, created_at = new_id("conv"), int(time.time())
+        metadata = dict(metadata or {})
+        prepared = [("input", _prepare(item)) for item in items]
+        async with self.backend.transaction(write=True) as tx:
+            await tx.fetch(
+                "INSERT INTO conversations (id, owner, created_at, metadata, next_seq) VALUES (?, ?, ?, ?, ?)",
+                (conversation_id, owner, created_at, encode_json(metadata), len(prepared)),
+            )
+            await _insert_conversation_items(
+                tx, conversation_id, 0, prepared, response_id=None, created_at=created_at
+            )
+        return {
+            "id": conversation_id,
+            "object": "conversation",
+            "created_at": created_at,
+            "metadata": metadata,
+        }
+
+    async def get_conversation(self, conversation_id: str, owner: str) -> JsonObject | None:
+        """The conversation object, or None when unknown or another owner's."""
+        async with self.backend.transaction(write=False) as tx:
+            rows = await tx.fetch(
+                "SELECT id, created_at, metadata FROM conversations WHERE id = ? AND owner = ?",
+                (conversation_id, owner),
+            )
+        if not rows:
+            return None
+        return {
+            "id": rows[0][0],
+            "object": "conversation",
+            "created_at": int(rows[0][1]),
+            "metadata": _decode_object(rows[0][2]),
+        }
+
+    async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
+        """Delete a conversation and its items; False when unknown or another owner's. The
+        responses that appended to it stay."""
+        async with self.backend.transaction(write=True) as tx:
+            rows = await tx.fetch(
+                "DELETE FROM conversations WHERE id = ? AND owner = ? RETURNING id", (conversation_id, owner)
+            )
+        return bool(rows)
+
+    async def list_conversation_items(
+        self,
+        conversation_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        """The conversation's visible items (``input`` and ``output`` roles), paged as
+        `list_input_items`; None when unknown or another owner's."""
+        _check_page_args(limit, order)
+        async with self.backend.transaction(write=False) as tx:
+            if not await tx.fetch(
+                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+            ):
+                return None
+            return await _page(
+                tx,
+                "conversation_items",
+                "conversation_id",
+                conversation_id,
+                ("input", "output"),
+                after,
+                limit,
+                order,
+            )
+
+    async def add_conversation_items(
+        self, conversation_id: str, owner: str, items: list[JsonObject]
+    ) -> list[JsonObject] | None:
+        """Append ``items`` (shown and sent upstream) in one transaction; return them as list
+        calls show them (with ids). None when the conversation is unknown or another owner's.
+        Concurrent appends never lose or interleave items: each gets a contiguous seq range."""
+        prepared = [("input", _prepare(item)) for item in items]
+        async with self.backend.transaction(write=True) as tx:
+            first = await _allocate(tx, conversation_id, owner, len(prepared))
+            if first is None:
+                return None
+            await _insert_conversation_items(
+                tx, conversation_id, first, prepared, response_id=None, created_at=int(time.time())
+            )
+        return [present_item(item, p.item_id) for item, (_, p) in zip(items, prepared, strict=True)]
+
+    async def conversation_size(self, conversation_id: str, owner: str) -> ChainInfo | None:
+        """Size of what `load_conversation` would return (``input`` and ``replay`` items), summed
+        in SQL without reading any item; None when unknown or another owner's. Pass its
+        ``through_seq`` to `load_conversation`."""
+        async with self.backend.transaction(write=False) as tx:
+            rows = await tx.fetch(_CONVERSATION_SIZE_SQL, (conversation_id, owner))
+        if not rows:
+            return None
+        next_seq, nbytes, nodes, count = rows[0]
+        return ChainInfo(
+            size_bytes=int(nbytes),
+            node_count=int(nodes),
+            item_count=int(count),
+            length=0,
+            head_status=None,
+            through_seq=int(next_seq) - 1,
+        )
+
+    async def load_conversation(
+        self, conversation_id: str, owner: str, *, through_seq: int | None = None
+    ) -> list[JsonObject]:
+        """The conversation's upstream items (``input`` and ``replay`` roles) in order, up to
+        ``through_seq`` (from `conversation_size`) when given; ``[]`` when unknown or another
+        owner's."""
+        sql = (
+            "SELECT i.item FROM conversation_items i JOIN conversations c ON c.id = i.conversation_id"
+            " WHERE c.id = ? AND c.owner = ? AND i.role IN ('input', 'replay')"
+        )
+        params: list[object] = [conversation_id, owner]
+        if through_seq is not None:
+            sql += " AND i.seq <= ?"
+            params.append(through_seq)
+        async with self.backend.transaction(write=False) as tx:
+            rows = await tx.fetch(sql + " ORDER BY i.seq", params)
+        return [_decode(row[0]) for row in rows]
+
+
+async def _allocate(tx: Tx, conversation_id: str, owner: str, count: int) -> int | None:
+    """Reserve ``count`` seqs of the conversation (row-locked until commit); the first one, or
+    None when the conversation is unknown or another owner's."""
+    rows = await tx.fetch(_ALLOCATE_SEQ, (count, conversation_id, owner))
+    if not rows:
+        return None
+    return int(rows[0][0]) - count
+
+
+async def _insert_conversation_items(
+    tx: Tx,
+    conversation_id: str,
+    first: int,
+    rows: list[tuple[str, _Prepared]],
+    *,
+    response_id: str | None,
+    created_at: int,
+) -> None:
+    """Insert ``(role, item)`` rows at seqs ``first``, ``first + 1``, ..."""
+    await tx.executemany(
+        _INSERT_CONVERSATION_ITEM,
+        [
+            (
+                conversation_id,
+                first + n,
+                role,
+                p.item_id,
+                p.type,
+                p.text,
+                p.size_bytes,
+                p.node_count,
+                response_id,
+                created_at,
+            )
+            for n, (role, p) in enumerate(rows)
+        ],
+    )
+
+
+async def _page(
+    tx: Tx,
+    table: str,
+    key_column: str,
+    key: str,
+    roles: tuple[str, ...],
+    after: str | None,
+    limit: int,
+    order: Order,
+) -> Page:
+    """One page of ``table``'s items of ``key`` in the given roles, ordered by seq."""
+    where = f"{key_column} = ? AND role IN ({', '.join('?' * len(roles))})"
+    params: list[object] = [key, *roles]
+    if after is not None:
+        found = await tx.fetch(
+            f"SELECT seq FROM {table} WHERE {where} AND item_id = ? ORDER BY seq LIMIT 1", [*params, after]
+        )
+        if not found:
+            raise UnknownCursor(after)
+        where += " AND seq > ?" if order == "asc" else " AND seq < ?"
+        params.append(found[0][0])
+    direction = "ASC" if order == "asc" else "DESC"
+    rows = await tx.fetch(
+        f"SELECT item_id, item FROM {table} WHERE {where} ORDER BY seq {direction} LIMIT ?",
+        [*params, limit + 1],
+    )
+    data = [present_item(_decode_object(row[1]), row[0]) for row in rows[:limit]]
+    return Page(
+        data=data,
+        first_id=data[0]["id"] if data else None,
+        last_id=data[-1]["id"] if data else None,
+        has_more=len(rows) > limit,
+    )
+
+
+# --- construction ------------------------------------------------------------------------------
+
+
+def open_store(url: str, *, pool_size: int = 8) -> Store:
+    """A `Store` for ``url`` (not yet open; see the module docstring for the URL forms).
+
+    ``pool_size``: PostgreSQL connections this process may open. Raises `ValueError` naming the
+    accepted forms when ``url`` is not one of them.
+    """
+    if url in ("memory", "sqlite://:memory:", "sqlite:///:memory:"):
+        return Store(SqliteBackend(None))
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///") :]
+        if not path or path.endswith("/"):
+            raise ValueError(
+                f"store URL {url!r} names no file; use sqlite:///relative/path.db or sqlite:////abs/path.db"
+            )
+        return Store(SqliteBackend(path))
+    if url.startswith(("postgresql://", "postgres://")):
+        return Store(PostgresBackend(url, pool_size=pool_size))
+    raise ValueError(
+        f"unsupported store URL {redact_url(url)!r}: use 'memory', 'sqlite:///relative/path.db', "
+        "'sqlite:////absolute/path.db' or 'postgresql://user@host:port/dbname'"
+    )

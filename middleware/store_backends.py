@@ -1,0 +1,405 @@
+"""The two database backends of the store: SQLite (a file, or in memory) and PostgreSQL.
+
+A backend only opens connections and runs transactions; every SQL statement and every decision
+lives in `middleware.store`, written once with ``?`` placeholders, so SQLite and PostgreSQL run
+the same statements against the same schema (`middleware.store_schema`).
+
+* `SqliteBackend` — one `sqlite3` connection owned by one worker thread; every statement runs
+  there (never on the event loop), one transaction at a time (an `asyncio.Lock`). ``path=None``
+  is an in-memory database: the same code path as a file. Files get WAL mode,
+  ``synchronous=NORMAL`` and a busy timeout, so several processes may share one file. Write
+  transactions start with ``BEGIN IMMEDIATE`` (writers are serialized, readers are not blocked);
+  reads run in autocommit, one snapshot per statement, as under PostgreSQL's READ COMMITTED.
+* `PostgresBackend` — a psycopg 3 `AsyncConnectionPool` (autocommit connections, explicit
+  transactions), ``?`` rewritten to ``%s``. Schema transactions take a transaction-scoped
+  advisory lock, so gateways starting together against one server migrate one at a time.
+
+Driver errors are translated into the store's exception tree (`StoreError` and subclasses,
+defined here so both backends and the store share them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import re
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, Protocol, TypeVar
+
+__all__ = [
+    "Backend",
+    "ConversationNotFound",
+    "DuplicateId",
+    "PostgresBackend",
+    "SchemaTooNew",
+    "SqliteBackend",
+    "StoreError",
+    "StoreUnavailable",
+    "Tx",
+    "UniqueViolation",
+    "UnknownCursor",
+    "redact_url",
+]
+
+_T = TypeVar("_T")
+Row = tuple[Any, ...]
+Params = Sequence[object]
+
+#: Key of the PostgreSQL advisory lock held while migrations run ("lwstore1" as an int64).
+ADVISORY_LOCK_KEY = 0x6C7773746F726531
+#: Seconds a SQLite writer waits for another process's write lock before failing.
+SQLITE_BUSY_TIMEOUT = 10.0
+
+
+# --- exception tree ----------------------------------------------------------------------------
+
+
+class StoreError(Exception):
+    """Base of every failure the store reports. ``str()`` is a message for operators."""
+
+
+class StoreUnavailable(StoreError):
+    """The database failed (cannot connect, I/O error, lock or pool timeout, driver error).
+
+    Not the client's fault; a retry may help. The driver's exception is the ``__cause__``.
+    """
+
+
+class SchemaTooNew(StoreError):
+    """The database was migrated by a newer loopwarden: ``found`` > ``known`` schema versions."""
+
+    def __init__(self, found: int, known: int) -> None:
+        self.found = found
+        self.known = known
+        super().__init__(
+            f"the store's schema is at version {found} but this loopwarden knows versions up to {known}; "
+            "upgrade loopwarden (or point --store at another database)"
+        )
+
+
+class DuplicateId(StoreError):
+    """An object with this id is already stored (``save_response`` twice for one id)."""
+
+    def __init__(self, kind: str, object_id: str) -> None:
+        self.kind = kind
+        self.object_id = object_id
+        super().__init__(f"a {kind} with id {object_id!r} is already stored")
+
+
+class ConversationNotFound(StoreError):
+    """``save_response`` names a conversation that does not exist (or belongs to another owner);
+    nothing was stored."""
+
+    def __init__(self, conversation_id: str) -> None:
+        self.conversation_id = conversation_id
+        super().__init__(f"conversation {conversation_id!r} not found; the response was not stored")
+
+
+class UnknownCursor(StoreError):
+    """A list's ``after`` names no item of that list (HTTP 400, ``param`` ``after``)."""
+
+    def __init__(self, cursor: str) -> None:
+        self.cursor = cursor
+        super().__init__(
+            f"no item with id {cursor!r} in this list; pass an id from an earlier page as 'after'"
+        )
+
+
+class UniqueViolation(StoreError):
+    """A primary-key / unique constraint failed; `middleware.store` turns it into `DuplicateId`."""
+
+
+# --- the backend protocol ----------------------------------------------------------------------
+
+
+class Tx(Protocol):
+    """One open transaction. Statements use ``?`` placeholders."""
+
+    async def fetch(self, sql: str, params: Params = ()) -> list[Row]:
+        """Run one statement; return all its rows (``[]`` for statements without rows)."""
+        ...
+
+    async def executemany(self, sql: str, rows: Sequence[Params]) -> None:
+        """Run one statement once per parameter row."""
+        ...
+
+
+class Backend(Protocol):
+    """Connections and transactions for one database; see the module docstring."""
+
+    name: str
+    #: Called with every statement's SQL before it runs (tests and debugging); None = off.
+    on_statement: Callable[[str], None] | None
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def transaction(self, *, write: bool, schema: bool = False) -> Any:
+        """An async context manager yielding a `Tx`: commits on success, rolls back on any
+        exception (cancellation included). ``write`` starts a writing transaction (SQLite: the
+        database write lock at once); ``schema`` also takes the migration lock."""
+        ...
+
+
+# --- SQLite ------------------------------------------------------------------------------------
+
+
+def _sqlite_error(exc: sqlite3.Error) -> StoreError:
+    if isinstance(exc, sqlite3.IntegrityError) and "UNIQUE" in str(exc):
+        return UniqueViolation(str(exc))
+    return StoreUnavailable(f"SQLite error: {exc}")
+
+
+class _SqliteTx:
+    def __init__(self, backend: SqliteBackend) -> None:
+        self._backend = backend
+
+    async def fetch(self, sql: str, params: Params = ()) -> list[Row]:
+        backend = self._backend
+        if backend.on_statement is not None:
+            backend.on_statement(sql)
+        return await backend.call(lambda conn: conn.execute(sql, params).fetchall())
+
+    async def executemany(self, sql: str, rows: Sequence[Params]) -> None:
+        backend = self._backend
+        if backend.on_statement is not None:
+            backend.on_statement(sql)
+        await backend.call(lambda conn: conn.executemany(sql, rows))
+
+
+class SqliteBackend:
+    """SQLite through one connection in one worker thread. ``path=None``: in memory."""
+
+    name = "sqlite"
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.on_statement: Callable[[str], None] | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock: asyncio.Lock | None = None
+
+    def __repr__(self) -> str:
+        return f"SqliteBackend(path={self.path!r})"
+
+    async def call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``fn(connection)`` in the worker thread; translate sqlite3 errors.
+
+        The job is shielded: once submitted it runs to completion even if the caller is
+        cancelled, so the single worker always executes a transaction's statements, then its
+        COMMIT or ROLLBACK, in submission order.
+        """
+        executor = self._executor
+        if executor is None:
+            raise StoreUnavailable("the SQLite store is not open; call `await store.open()` first")
+
+        def job() -> _T:
+            conn = self._conn
+            if conn is None:
+                raise StoreUnavailable("the SQLite store is closed")
+            try:
+                return fn(conn)
+            except sqlite3.Error as exc:
+                raise _sqlite_error(exc) from exc
+
+        return await asyncio.shield(asyncio.wrap_future(executor.submit(job)))
+
+    def _connect(self) -> None:
+        if self.path is None:
+            conn = sqlite3.connect(":memory:", isolation_level=None)
+        else:
+            parent = os.path.dirname(os.path.abspath(self.path))
+            os.makedirs(parent, exist_ok=True)
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=SQLITE_BUSY_TIMEOUT)
+        try:
+            conn.execute("PRAGMA foreign_keys = ON")
+            if self.path is not None:
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = NORMAL")
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    async def open(self) -> None:
+        """Connect (creating the file and its parent directories)."""
+        if self._executor is not None:
+            return
+        self._lock = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopwarden-sqlite")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, self._connect)
+        except (sqlite3.Error, OSError) as exc:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+            raise StoreUnavailable(f"cannot open SQLite database {self.path or ':memory:'}: {exc}") from exc
+
+    async def close(self) -> None:
+        """Wait for the running transaction, close the connection and stop the worker."""
+        executor = self._executor
+        if executor is None or self._lock is None:
+            return
+        async with self._lock:
+
+            def shut() -> None:
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+
+            await asyncio.wrap_future(executor.submit(shut))
+            self._executor = None
+        executor.shutdown(wait=True)
+
+    @asynccontextmanager
+    async def transaction(self, *, write: bool, schema: bool = False) -> AsyncIterator[Tx]:
+        """See `Backend.transaction`. Writes take SQLite's write lock at once (``BEGIN
+        IMMEDIATE``), which is the migration lock too; reads need no transaction."""
+        if self._lock is None:
+            raise StoreUnavailable("the SQLite store is not open; call `await store.open()` first")
+        async with self._lock:
+            if not (write or schema):
+                # Reads run in autocommit: each statement sees the latest commit, as under
+                # PostgreSQL's READ COMMITTED; the lock keeps them out of this process's writes.
+                yield _SqliteTx(self)
+                return
+            try:
+                await self.call(lambda conn: conn.execute("BEGIN IMMEDIATE"))
+                yield _SqliteTx(self)
+            except BaseException:
+                # Also when cancelled while BEGIN was queued: the shielded BEGIN still ran.
+                await self.call(_rollback)
+                raise
+            await self.call(lambda conn: conn.execute("COMMIT"))
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+
+# --- PostgreSQL --------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _pg_sql(sql: str) -> str:
+    """``?`` placeholders to psycopg's ``%s`` (the store's SQL has no ``%`` and no literal ``?``)."""
+    if "%" in sql:
+        raise ValueError(f"store SQL must not contain '%': {sql!r}")
+    return sql.replace("?", "%s")
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password (``user:PASSWORD@`` or ``?password=``) replaced by ``***``,
+    for messages and repr."""
+    url = re.sub(r"([?&]password=)[^&]*", r"\1***", url, flags=re.IGNORECASE)
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    userinfo, _, hostpart = rest.partition("@")
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{hostpart}" if ":" in userinfo else url
+
+
+class _PgTx:
+    def __init__(self, backend: PostgresBackend, conn: Any) -> None:
+        self._backend = backend
+        self._conn = conn
+
+    async def fetch(self, sql: str, params: Params = ()) -> list[Row]:
+        if self._backend.on_statement is not None:
+            self._backend.on_statement(sql)
+        cur = await self._conn.execute(_pg_sql(sql), params)
+        if cur.description is None:
+            return []
+        rows: list[Row] = await cur.fetchall()
+        return rows
+
+    async def executemany(self, sql: str, rows: Sequence[Params]) -> None:
+        if self._backend.on_statement is not None:
+            self._backend.on_statement(sql)
+        if not rows:
+            return
+        async with self._conn.cursor() as cur:
+            await cur.executemany(_pg_sql(sql), rows)
+
+
+class PostgresBackend:
+    """PostgreSQL through a small psycopg 3 async connection pool.
+
+    ``pool_size``: the most connections this process opens (one is kept open). ``open_timeout``:
+    seconds `open` waits for the first connection, and a transaction for a free connection,
+    before raising `StoreUnavailable`. Connections are checked before use, so a restarted
+    server costs a reconnect, not a failed request.
+    """
+
+    name = "postgresql"
+
+    def __init__(self, url: str, *, pool_size: int = 8, open_timeout: float = 10.0) -> None:
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be at least 1, got {pool_size}")
+        self._url = url
+        self.pool_size = pool_size
+        self.open_timeout = open_timeout
+        self.on_statement: Callable[[str], None] | None = None
+        self._pool: Any = None
+
+    def __repr__(self) -> str:
+        return f"PostgresBackend(url={redact_url(self._url)!r}, pool_size={self.pool_size})"
+
+    async def open(self) -> None:
+        """Open the pool and wait for its first connection."""
+        if self._pool is not None:
+            return
+        import psycopg
+        from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+        pool = AsyncConnectionPool(
+            self._url,
+            min_size=1,
+            max_size=self.pool_size,
+            open=False,
+            kwargs={"autocommit": True},
+            check=AsyncConnectionPool.check_connection,
+            timeout=self.open_timeout,
+            name="loopwarden-store",
+        )
+        try:
+            await pool.open(wait=True, timeout=self.open_timeout)
+        except (PoolTimeout, psycopg.Error) as exc:
+            await pool.close()
+            raise StoreUnavailable(
+                f"cannot connect to PostgreSQL at {redact_url(self._url)} within {self.open_timeout:g} s: {exc}"
+            ) from exc
+        self._pool = pool
+
+    async def close(self) -> None:
+        """Close every pooled connection (waits for connections in use to come back)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    @asynccontextmanager
+    async def transaction(self, *, write: bool, schema: bool = False) -> AsyncIterator[Tx]:
+        """See `Backend.transaction`. READ COMMITTED; ``schema`` takes the advisory lock."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        if self._pool is None:
+            raise StoreUnavailable("the PostgreSQL store is not open; call `await store.open()` first")
+        try:
+            async with self._pool.connection() as conn, conn.transaction():
+                if schema:
+                    await conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
+                yield _PgTx(self, conn)
+        except psycopg.errors.UniqueViolation as exc:
+            raise UniqueViolation(str(exc)) from exc
+        except psycopg.Error as exc:
+            raise StoreUnavailable(f"PostgreSQL error: {exc}") from exc
+        except PoolTimeout as exc:
+            raise StoreUnavailable(f"no PostgreSQL connection free: {exc}") from exc

@@ -1,0 +1,287 @@
+"""HTTP routes over the `Store`: stored responses and conversations, shaped as OpenAI's API.
+
+``store_routes(get_store, owner_of)`` returns Starlette routes for
+
+==========================================  ==================================================
+``GET    /v1/responses/{id}``               the stored response object
+``DELETE /v1/responses/{id}``               ``{"id", "object": "response", "deleted": true}``
+``GET    /v1/responses/{id}/input_items``   the response's input items, a cursor list
+``POST   /v1/conversations``                create (``{"items": [...], "metadata": {...}}``)
+``GET    /v1/conversations/{id}``           the conversation object
+``DELETE /v1/conversations/{id}``           ``{"id", "object": "conversation.deleted", "deleted": true}``
+``GET    /v1/conversations/{id}/items``     the conversation's items, a cursor list
+``POST   /v1/conversations/{id}/items``     append (``{"items": [...]}``), the appended items as a list
+==========================================  ==================================================
+
+Cursor lists take ``after`` (an item id), ``limit`` (1..=100, default 20) and ``order``
+(``asc``/``desc``, default ``desc``) and answer ``{"object": "list", "data", "first_id",
+"last_id", "has_more"}`` (``first_id``/``last_id`` null when empty), as the official SDKs page them.
+
+Ownership: ``owner_of(request)`` names the caller (a hash of its API key; authentication is done
+before these routes run); another owner's objects answer 404 exactly like unknown ids.
+
+Errors are the OpenAI envelope (`middleware.errors.envelope`): 400 ``invalid_value`` /
+``invalid_type`` / ``integer_*`` / ``unknown_parameter`` / JSON codes from
+`budget.loads_strict`, with ``param`` naming the field; 404 ``not_found``; 413
+``request_too_large`` for POST bodies over ``max_body_bytes`` (1 MiB), refused from
+``Content-Length`` without reading, or as soon as the streamed body passes the limit; 503
+``store_unavailable`` when the database fails. Client errors carry ``x-should-retry: false``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from budget import JsonRejected, loads_strict
+
+from .errors import envelope
+from .store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, StoreUnavailable, UnknownCursor
+
+__all__ = ["MAX_BODY_BYTES", "MAX_ITEMS_PER_CALL", "store_routes"]
+
+#: Largest POST body accepted by the conversation routes (bytes).
+MAX_BODY_BYTES = 1 << 20
+#: Items one create / add call may carry (OpenAI's limit).
+MAX_ITEMS_PER_CALL = 20
+#: OpenAI's metadata limits: pairs, key length, value length (characters).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+
+def _error_response(exc: _HttpError) -> Response:
+    headers = {"x-should-retry": "false"} if exc.status < 500 else {}
+    if exc.status == 413:
+        headers["connection"] = "close"
+    return JSONResponse(envelope(exc.status, exc.code, exc.message, exc.param), exc.status, headers=headers)
+
+
+def _bad(message: str, param: str | None, code: str = "invalid_value") -> NoReturn:
+    raise _HttpError(400, code, message, param)
+
+
+def _not_found(kind: str, object_id: str) -> NoReturn:
+    raise _HttpError(404, "not_found", f"{kind} with id '{object_id}' not found.")
+
+
+def _page_args(request: Request) -> tuple[str | None, int, Order]:
+    query = request.query_params
+    after = query.get("after") or None
+    raw_limit = query.get("limit")
+    limit = 20
+    if raw_limit is not None:
+        try:
+            limit = int(raw_limit)
+        except ValueError:
+            _bad(f"Invalid 'limit': expected an integer, got '{raw_limit}'.", "limit", "invalid_type")
+        if limit < MIN_LIMIT:
+            _bad(
+                f"Invalid 'limit': must be at least {MIN_LIMIT}, got {limit}.",
+                "limit",
+                "integer_below_min_value",
+            )
+        if limit > MAX_LIMIT:
+            _bad(
+                f"Invalid 'limit': must be at most {MAX_LIMIT}, got {limit}.",
+                "limit",
+                "integer_above_max_value",
+            )
+    order = query.get("order", "desc")
+    if order == "asc":
+        return after, limit, "asc"
+    if order == "desc":
+        return after, limit, "desc"
+    _bad(f"Invalid 'order': expected 'asc' or 'desc', got '{order}'.", "order")
+
+
+async def _read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object (``{}`` when empty): 413 past ``max_bytes``, 400 when invalid."""
+    declared = request.headers.get("content-length")
+    too_large = (
+        f"request body is over the {max_bytes} byte limit of this endpoint; send fewer or smaller items"
+    )
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _HttpError(413, "request_too_large", too_large)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _HttpError(413, "request_too_large", too_large)
+    if not body.strip():
+        return {}
+    try:
+        value = loads_strict(body)
+    except JsonRejected as exc:
+        raise _HttpError(400, exc.code, exc.message, exc.param) from None
+    if not isinstance(value, dict):
+        _bad("The request body must be a JSON object.", None, "invalid_type")
+    return value
+
+
+def _check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    for key in body:
+        if key not in allowed:
+            _bad(f"Unknown parameter: '{key}'.", key, "unknown_parameter")
+
+
+def _items(value: object, *, required: bool) -> list[dict[str, Any]]:
+    if value is None and not required:
+        return []
+    if not isinstance(value, list):
+        _bad("Invalid 'items': expected an array of items.", "items", "invalid_type")
+    if required and not value:
+        _bad("Invalid 'items': expected at least 1 item.", "items", "empty_array")
+    if len(value) > MAX_ITEMS_PER_CALL:
+        _bad(
+            f"Invalid 'items': at most {MAX_ITEMS_PER_CALL} items can be added at a time, got {len(value)}.",
+            "items",
+            "array_above_max_length",
+        )
+    for index, item in enumerate(value):
+        param = f"items[{index}]"
+        if not isinstance(item, dict):
+            _bad(f"Invalid '{param}': expected an object.", param, "invalid_type")
+        item_type = item.get("type", "message" if "role" in item else None)
+        if not isinstance(item_type, str):
+            _bad(f"Invalid '{param}': an item needs a 'type' (or a 'role', for a message).", param)
+        if item_type == "message":
+            if not isinstance(item.get("role"), str):
+                _bad(f"Invalid '{param}.role': a message needs a string 'role'.", f"{param}.role")
+            if not isinstance(item.get("content"), str | list):
+                _bad(f"Invalid '{param}.content': expected a string or an array.", f"{param}.content")
+    return value
+
+
+def _metadata(value: object) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        _bad("Invalid 'metadata': expected an object of string values.", "metadata", "invalid_type")
+    if len(value) > MAX_METADATA_PAIRS:
+        _bad(f"Invalid 'metadata': at most {MAX_METADATA_PAIRS} pairs, got {len(value)}.", "metadata")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            _bad(f"Invalid 'metadata': keys are at most {MAX_METADATA_KEY} characters.", "metadata")
+        if not isinstance(item, str):
+            _bad(f"Invalid 'metadata.{key}': expected a string.", f"metadata.{key}", "invalid_type")
+        if len(item) > MAX_METADATA_VALUE:
+            _bad(
+                f"Invalid 'metadata.{key}': values are at most {MAX_METADATA_VALUE} characters.",
+                f"metadata.{key}",
+            )
+    return value
+
+
+def store_routes(
+    get_store: Callable[[], Store],
+    owner_of: Callable[[Request], str],
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> list[Route]:
+    """The routes of the module docstring. ``get_store()`` is called per request (so the store
+    may be opened in the application's lifespan); ``owner_of(request)`` names the caller."""
+
+    Handler = Callable[[Request, Store, str], Awaitable[Response]]
+
+    def endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request, get_store(), owner_of(request))
+            except _HttpError as exc:
+                return _error_response(exc)
+            except UnknownCursor as exc:
+                return _error_response(_HttpError(400, "invalid_value", str(exc), "after"))
+            except StoreUnavailable as exc:
+                return _error_response(
+                    _HttpError(503, "store_unavailable", f"the response store is unavailable: {exc}")
+                )
+
+        return run
+
+    async def get_response(request: Request, store: Store, owner: str) -> Response:
+        response_id = request.path_params["response_id"]
+        if request.query_params.get("stream", "false").lower() == "true":
+            _bad("Streaming a stored response is not supported; retrieve it without 'stream'.", "stream")
+        stored = await store.get_response(response_id, owner)
+        if stored is None:
+            _not_found("Response", response_id)
+        return JSONResponse(stored.response)
+
+    async def delete_response(request: Request, store: Store, owner: str) -> Response:
+        response_id = request.path_params["response_id"]
+        if not await store.delete_response(response_id, owner):
+            _not_found("Response", response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def list_input_items(request: Request, store: Store, owner: str) -> Response:
+        response_id = request.path_params["response_id"]
+        after, limit, order = _page_args(request)
+        page = await store.list_input_items(response_id, owner, after=after, limit=limit, order=order)
+        if page is None:
+            _not_found("Response", response_id)
+        return JSONResponse(page.to_json())
+
+    async def create_conversation(request: Request, store: Store, owner: str) -> Response:
+        body = await _read_json_object(request, max_body_bytes)
+        _check_fields(body, ("items", "metadata"))
+        items = _items(body.get("items"), required=False)
+        metadata = _metadata(body.get("metadata"))
+        return JSONResponse(await store.create_conversation(owner, items=items, metadata=metadata))
+
+    async def get_conversation(request: Request, store: Store, owner: str) -> Response:
+        conversation_id = request.path_params["conversation_id"]
+        conversation = await store.get_conversation(conversation_id, owner)
+        if conversation is None:
+            _not_found("Conversation", conversation_id)
+        return JSONResponse(conversation)
+
+    async def delete_conversation(request: Request, store: Store, owner: str) -> Response:
+        conversation_id = request.path_params["conversation_id"]
+        if not await store.delete_conversation(conversation_id, owner):
+            _not_found("Conversation", conversation_id)
+        return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+    async def list_conversation_items(request: Request, store: Store, owner: str) -> Response:
+        conversation_id = request.path_params["conversation_id"]
+        after, limit, order = _page_args(request)
+        page = await store.list_conversation_items(
+            conversation_id, owner, after=after, limit=limit, order=order
+        )
+        if page is None:
+            _not_found("Conversation", conversation_id)
+        return JSONResponse(page.to_json())
+
+    async def add_conversation_items(request: Request, store: Store, owner: str) -> Response:
+        conversation_id = request.path_params["conversation_id"]
+        body = await _read_json_object(request, max_body_bytes)
+        _check_fields(body, ("items",))
+        items = _items(body.get("items"), required=True)
+        added = await store.add_conversation_items(conversation_id, owner, items)
+        if added is None:
+            _not_found("Conversation", conversation_id)
+        page = Page(added, added[0]["id"], added[-1]["id"], has_more=False)
+        return JSONResponse(page.to_json())
+
+    return [
+        Route("/v1/responses/{response_id}", endpoint(get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", endpoint(delete_response), methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", endpoint(list_input_items), methods=["GET"]),
+        Route("/v1/conversations", endpoint(create_conversation), methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", endpoint(get_conversation), methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", endpoint(delete_conversation), methods=["DELETE"]),
+        Route(
+            "/v1/conversations/{conversation_id}/items", endpoint(list_conversation_items), methods=["GET"]
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items", endpoint(add_conversation_items), methods=["POST"]
+        ),
+    ]
