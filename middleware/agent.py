@@ -196,7 +196,11 @@ class AgentLoop:
             await self._prepare()
             await self._loop()
         except asyncio.CancelledError:
-            await self._persist_failure("cancelled", None)
+            reason = self.ctx.cancel_reason
+            if isinstance(reason, GatewayError):  # ended by the gateway (deadline, drain), not the client
+                await self._persist_failure("failed", {"code": reason.code, "message": reason.message})
+            else:
+                await self._persist_failure("cancelled", None)
             raise
         except GatewayError as error:
             await self._persist_failure("failed", {"code": error.code, "message": error.message})
@@ -517,8 +521,7 @@ class AgentLoop:
 
     # -- one round -------------------------------------------------------------------------
     async def _round(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        upstream = self.state.upstream
-        assert upstream is not None
+        upstream = self.state.upstream_for(self.ctx.route)
         response = await upstream.post("/responses", body, stream=self.ctx.stream)
         try:
             if response.status_code >= 400:

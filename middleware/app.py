@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -23,17 +24,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from middleware import metrics
+from middleware.admission import DRAIN, ProcessPool, default_pool_bytes, memory_pressure
 from middleware.auth import Authenticator
 from middleware.budget_mw import BudgetMiddleware
 from middleware.config import Settings
 from middleware.embedded import BackgroundServer
 from middleware.errors import GatewayError, envelope_bytes, error_headers
+from middleware.models import ModelRouter
 from middleware.responses import ResponsesApp
 from middleware.state import GatewayState
 from middleware.store import Store, open_store
 from middleware.store_routes import store_routes
 from middleware.tools import McpServerConfig, ToolCatalog
-from middleware.upstream import HttpxUpstream, UpstreamClient
+from middleware.upstream import HttpxUpstream, UpstreamClient, upstream_status_error
 
 log = logging.getLogger("loopwarden")
 
@@ -61,6 +64,24 @@ async def route_error_response(request: Request, exc: Exception) -> Response:
         extra = {}
     headers = dict((k.decode(), v.decode()) for k, v in error_headers(error))
     return Response(envelope_bytes(error), status_code=error.status, headers={**headers, **extra})
+
+
+async def passthrough_models(upstream: UpstreamClient) -> Response:
+    """The upstream's ``GET /models`` answer (read up to 1 MiB), or a 502 envelope."""
+    response = await upstream.get("/models")
+    try:
+        body = b""
+        async for chunk in response.chunks():
+            body += chunk
+            if len(body) > 1 << 20:
+                raise GatewayError(
+                    "the upstream's model list is over 1 MiB", status=502, code="upstream_response_too_large"
+                )
+        if response.status_code >= 400:
+            raise upstream_status_error(response.status_code, body[:65536])
+        return Response(body, status_code=200, media_type="application/json")
+    finally:
+        await response.aclose()
 
 
 async def healthz(request: Request) -> Response:
@@ -115,6 +136,19 @@ def create_app(
     """
     state = GatewayState(settings=settings)
     authenticator = Authenticator(settings.api_keys())
+    router = ModelRouter(settings.model_routes)
+
+    async def list_models(request: Request) -> Response:
+        """``GET /v1/models``: the configured models, else the default upstream's own list."""
+        authenticator.owner(request.scope)
+        if router.configured:
+            data = [
+                {"id": r.name, "object": "model", "created": 0, "owned_by": "loopwarden"}
+                for r in router.routes
+            ]
+            return JSONResponse({"object": "list", "data": data})
+        assert state.upstream is not None
+        return await passthrough_models(state.upstream)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -131,6 +165,20 @@ def create_app(
                 base_url,
             )
         state.upstream = upstream_factory(settings, base_url)
+        for route in settings.model_routes:
+            overrides = {
+                field: getattr(route, field)
+                for field in (
+                    "upstream_api_key",
+                    "upstream_connect_timeout",
+                    "upstream_read_timeout",
+                    "upstream_deadline",
+                )
+                if getattr(route, field) is not None
+            }
+            if route.upstream is not None or overrides:
+                routed = dataclasses.replace(settings, **overrides)
+                state.upstreams[route.name] = upstream_factory(routed, route.upstream or base_url)
         state.catalog = build_catalog(settings, demo=devmodel is not None)
         state.store = open_store(settings.store)
         await state.store.open()
@@ -139,16 +187,37 @@ def create_app(
         finally:
             await state.store.close()
             await state.upstream.aclose()
+            for client in state.upstreams.values():
+                await client.aclose()
             if devmodel is not None:
                 await asyncio.to_thread(devmodel.stop)
             metrics.worker_exited()
 
+    pool = ProcessPool(
+        settings.max_inflight_retained_bytes or default_pool_bytes(settings.workers),
+        max_requests=settings.max_concurrent_requests,
+        pressure=memory_pressure,
+        pressure_threshold=settings.memory_pressure_threshold,
+    )
+    state.pool = pool
     responses = BudgetMiddleware(
         ResponsesApp(state),
         limits=settings.limits,
         client_body_timeout=settings.client_body_timeout,
         authenticator=authenticator,
+        router=router,
+        pool=pool,
+        request_deadline=settings.request_deadline,
+        retry_after=settings.retry_after,
     )
+
+    async def readyz(request: Request) -> Response:
+        """Readiness: 503 while draining or saturated (pool, concurrency or memory pressure)."""
+        if DRAIN.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if pool.saturated:
+            return JSONResponse({"status": "saturated"}, status_code=503)
+        return JSONResponse({"status": "ready"})
 
     def get_store() -> Store:
         assert state.store is not None, "the lifespan opens the store"
@@ -161,6 +230,8 @@ def create_app(
         Route("/v1/responses", responses, methods=["POST"]),
         *store_routes(get_store, owner_of),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/metrics/", metrics_endpoint, methods=["GET"]),
     ]

@@ -30,16 +30,28 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Mapping
+import time
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from budget import BudgetExceeded, JsonInvalid, JsonNodeCounter, JsonTooDeep, Ledger, Limits, loads_strict
+from budget import (
+    BudgetExceeded,
+    ChargeModel,
+    JsonInvalid,
+    JsonNodeCounter,
+    JsonTooDeep,
+    Ledger,
+    Limits,
+    PoolExhausted,
+    loads_strict,
+)
 from middleware import metrics
+from middleware.admission import DRAIN, DrainState, ProcessPool, RequestReservation
 from middleware.auth import Authenticator
 from middleware.context import RequestContext
 from middleware.errors import GatewayError, InvalidRequest, envelope_bytes, error_headers, sse_error_frame
+from middleware.models import ModelRouter
 from middleware.upstream import UpstreamError
 from middleware.validate import validate_request
 
@@ -48,6 +60,10 @@ log = logging.getLogger("loopwarden")
 MAX_JSON_DEPTH = 128
 # Upstream failures detected while reading a body or stream -> loopwarden_upstream_errors_total{kind}.
 UPSTREAM_FAILURE_KINDS = {"upstream_invalid_response": "protocol", "upstream_incomplete": "eof"}
+LIMIT_OF_CODE = {
+    "max_retained_bytes_exceeded": "max_retained_bytes",
+    "max_infer_iters_exceeded": "max_infer_iters",
+}
 LIMIT_HEADERS = {
     b"loopwarden-max-retained-bytes": "max_retained_bytes",
     b"loopwarden-max-infer-iters": "max_infer_iters",
@@ -72,9 +88,10 @@ class _ClientGone(Exception):
 class BudgetMiddleware:
     """Wraps the Responses app; see the module docstring for what it enforces.
 
-    ``limits``: the server-wide `Limits`. ``model_limits``: per-model `Limits` (model name ->
-    limits) from the config file. ``client_body_timeout``: seconds to receive the whole body.
-    ``configured_models``: names allowed as the ``model`` metric label (others are ``other``).
+    ``limits``: the server-wide `Limits`. ``router``: the configured models (their limits, and the
+    ``model`` metric label; unknown models are a 404 when any is configured).
+    ``client_body_timeout``: seconds to receive the whole body. ``pool``: the worker's admission
+    pool. ``request_deadline``: seconds for the whole request. ``retry_after``: seconds in a 503.
     """
 
     def __init__(
@@ -83,16 +100,22 @@ class BudgetMiddleware:
         *,
         limits: Limits,
         client_body_timeout: float = 30.0,
-        model_limits: Mapping[str, Limits] | None = None,
-        configured_models: frozenset[str] = frozenset(),
+        router: ModelRouter | None = None,
         authenticator: Authenticator | None = None,
+        pool: ProcessPool | None = None,
+        request_deadline: float = 1800.0,
+        retry_after: float = 1.0,
+        drain: DrainState = DRAIN,
     ) -> None:
         self.app = app
         self.authenticator = authenticator or Authenticator(())
+        self.pool = pool or ProcessPool(1 << 62)
+        self.request_deadline = request_deadline
+        self.retry_after = retry_after
+        self.drain = drain
         self.limits = limits
         self.client_body_timeout = client_body_timeout
-        self.model_limits = dict(model_limits or {})
-        self.configured_models = configured_models | frozenset(self.model_limits)
+        self.router = router or ModelRouter(())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -114,7 +137,10 @@ class _Guard:
         self.finished = False
         self.ctx: RequestContext | None = None
         self.ledger: Ledger | None = None
+        self.reservation: RequestReservation | None = None
         self.model_label = "other"
+        self.lowered: set[str] = set()  # limits this request lowered with its own headers
+        self.started_at = time.monotonic()
 
     async def send(self, message: Message) -> None:
         if self.finished:
@@ -150,6 +176,8 @@ class _Guard:
                 self.ledger.release_all()  # the request is over: nothing it charged is retained
                 metrics.RETAINED_PEAK.observe(self.ledger.peak)
                 metrics.RETAINED_UTILIZATION.observe(self.ledger.peak / self.ledger.limit)
+            if self.reservation is not None:
+                self.reservation.close()
 
     # -- admission --------------------------------------------------------------------------
     def _effective_limits(self) -> Limits:
@@ -172,6 +200,8 @@ class _Guard:
                     )
                 ) from None
             lowered[field] = number
+            if number < getattr(self.mw.limits, field):
+                self.lowered.add(field)
         if not lowered:
             return self.mw.limits
         return Limits.smallest(self.mw.limits, Limits(**{**vars_of(self.mw.limits), **lowered}))
@@ -194,6 +224,7 @@ class _Guard:
                     ) from None
         if declared is not None and declared > clamp:
             raise _Answered(_too_large(declared, clamp, limits, declared=True))
+        self.reservation = self._reserve(limits, declared)
         counter = JsonNodeCounter(max_depth=MAX_JSON_DEPTH)
         try:
             async with asyncio.timeout(self.mw.client_body_timeout):
@@ -212,12 +243,14 @@ class _Guard:
         # Store is on unless the client says "store": false. The body is admitted as if it were on
         # (the larger charge) before it is parsed, and re-admitted at the single rate once known.
         nodes = counter.nodes
-        ledger = Ledger(limits.max_retained_bytes, store=True, pool=metrics.POOL)
+        ledger = Ledger(limits.max_retained_bytes, store=True, pool=self.reservation)
         self.ledger = ledger
         try:
             ledger.admit_input(raw, nodes=nodes)
         except BudgetExceeded as exc:
             raise _Answered(_budget_error(exc, status=413)) from None
+        except PoolExhausted as exc:
+            raise _Answered(self._pool_error(exc, status=413)) from None
         try:
             request = loads_strict(raw)
         except JsonInvalid as exc:
@@ -232,20 +265,31 @@ class _Guard:
                     code="invalid_request",
                 )
             )
-        self.model_label = metrics.model_label(request.get("model"), self.mw.configured_models)
         try:
             validate_request(request)
         except GatewayError as error:
             raise _Answered(error) from None
+        route = self.mw.router.match(request["model"])
+        if route is None and self.mw.router.configured:
+            raise _Answered(
+                GatewayError(
+                    f"the model {request['model'][:200]!r} does not exist on this gateway; "
+                    f"configured models: {', '.join(sorted(self.mw.router.labels))[:500]}",
+                    status=404,
+                    code="model_not_found",
+                    param="model",
+                    retryable=False,
+                )
+            )
+        self.model_label = route.name if route is not None else "other"
         store = request.get("store") is not False
         if not store:
             ledger.release_all()
-            ledger = Ledger(limits.max_retained_bytes, store=False, pool=metrics.POOL)
+            ledger = Ledger(limits.max_retained_bytes, store=False, pool=self.reservation)
             self.ledger = ledger
             ledger.admit_input(raw, nodes=nodes)
-        model_limits = self.mw.model_limits.get(request["model"])
-        if model_limits is not None:
-            limits = Limits.smallest(limits, model_limits)
+        if route is not None:
+            limits = route.limits(limits)
             try:
                 ledger.lower_limit(limits.max_retained_bytes)
             except BudgetExceeded as exc:
@@ -259,6 +303,61 @@ class _Guard:
             store=store,
             model_label=self.model_label,
             owner=owner,
+            route=route,
+        )
+
+    def _reserve(self, limits: Limits, declared: int | None) -> RequestReservation:
+        """Admission control before the body is read: 503 / 413 refusals, else a reservation."""
+        pool = self.mw.pool
+        if self.mw.drain.draining:
+            raise _Answered(
+                GatewayError(
+                    "the gateway is shutting down; retry on another instance",
+                    status=503,
+                    code="server_shutting_down",
+                    close_connection=True,
+                    retry_after=self.mw.retry_after,
+                )
+            )
+        per_byte = ChargeModel().input_per_byte * 2  # the body is admitted as if store were on
+        initial = (
+            limits.max_retained_bytes
+            if declared is None
+            else min(limits.max_retained_bytes, declared * per_byte)
+        )
+        if initial > pool.budget:
+            raise _Answered(
+                GatewayError(
+                    f"this request would reserve {initial} budget bytes, more than this worker's whole pool of "
+                    f"{pool.budget} (--max-inflight-retained-bytes); lower loopwarden-max-retained-bytes or send less",
+                    status=413,
+                    code="process_budget_exceeded",
+                    retryable=False,
+                    limit="admission",
+                    close_connection=True,
+                )
+            )
+        reason = pool.refusal(initial)
+        if reason is not None:
+            raise _Answered(
+                GatewayError(
+                    f"the gateway is overloaded: {reason}; retry after {self.mw.retry_after:g} s",
+                    status=503,
+                    code="server_overloaded",
+                    limit="admission",
+                    close_connection=True,
+                    retry_after=self.mw.retry_after,
+                )
+            )
+        return pool.admit(initial)
+
+    def _pool_error(self, exc: PoolExhausted, *, status: int) -> GatewayError:
+        return GatewayError(
+            f"the worker's process budget (--max-inflight-retained-bytes={self.mw.pool.budget}) has no room for "
+            f"{exc.requested} more budget bytes for this request ({exc.phase}); retry later",
+            status=status,
+            code="process_budget_exceeded",
+            limit="admission",
         )
 
     async def _read_body(self, clamp: int, limits: Limits, counter: JsonNodeCounter) -> bytes:
@@ -286,11 +385,39 @@ class _Guard:
         scope = {**self.scope, "loopwarden": ctx}
         work = asyncio.ensure_future(self._inner_with_outcome(scope))
         watcher = asyncio.ensure_future(self._watch_disconnect())
+        deadline = self.started_at + self.mw.request_deadline
+        ended: GatewayError | None = None
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                now = time.monotonic()
+                drain_at = self.mw.drain.deadline if self.mw.drain.draining else None
+                if drain_at is not None and now >= drain_at:
+                    ended = GatewayError(
+                        "the gateway is shutting down and this request did not finish within the drain timeout "
+                        "(--drain-timeout); retry it",
+                        status=503,
+                        code="server_shutting_down",
+                    )
+                    break
+                if now >= deadline:
+                    ended = GatewayError(
+                        f"the request did not finish within {self.mw.request_deadline:g} s (--request-deadline); "
+                        "ask for less work (fewer rounds, shorter answers) or raise the deadline",
+                        status=504,
+                        code="request_deadline_exceeded",
+                        limit="request_deadline",
+                    )
+                    break
+                wake = min(deadline, drain_at if drain_at is not None else deadline) - now
+                done, _ = await asyncio.wait(
+                    {work, watcher}, timeout=min(max(wake, 0.0), 1.0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if done:
+                    break
         finally:
-            gone = not work.done()
-            if gone:
+            gone = not work.done() and ended is None
+            if not work.done():
+                ctx.cancel_reason = ended
                 work.cancel()
             watcher.cancel()
             for task in (work, watcher):
@@ -302,6 +429,8 @@ class _Guard:
                     ctx.stored_status = "cancelled"
                 if not self.started:
                     self.status = 499
+        if ended is not None:
+            await self._answer_error(ended)
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -319,6 +448,8 @@ class _Guard:
             await self._answer_error(error)
         except BudgetExceeded as exc:
             await self._answer_error(_budget_error(exc, status=502))
+        except PoolExhausted as exc:
+            await self._answer_error(self._pool_error(exc, status=502))
         except UpstreamError as exc:
             metrics.UPSTREAM_ERRORS.labels(kind=exc.kind).inc()
             await self._answer_error(
@@ -341,6 +472,12 @@ class _Guard:
         """Exactly one answer for `error`: JSON before commit, one SSE error frame after."""
         if self.finished:
             return
+        field = LIMIT_OF_CODE.get(error.code)
+        if field in self.lowered:
+            header = next(name for name, f in LIMIT_HEADERS.items() if f == field).decode()
+            error.message += (
+                f" (this request lowered {field} with its {header} header: send a larger value or none)"
+            )
         if self.ctx is not None and self.ctx.stored_status is None:
             self.ctx.stored_status = "failed"
         if not self.started:
@@ -349,6 +486,8 @@ class _Guard:
             extra = [(b"content-length", str(len(body)).encode())]
             if error.close_connection:
                 extra.append((b"connection", b"close"))
+            if error.retry_after is not None:
+                extra.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
             await self.send(
                 {
                     "type": "http.response.start",

@@ -51,6 +51,29 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--workers", type=int, help="worker processes (default 1)")
     p.add_argument(
+        "--max-inflight-retained-bytes",
+        type=int,
+        help="budget bytes all requests of one worker may hold together (default 0: a quarter of "
+        "the memory limit / workers)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests", type=int, help="requests in flight per worker (default 0: no cap)"
+    )
+    p.add_argument(
+        "--retry-after", type=float, help="Retry-After seconds on a 503 overload refusal (default 1)"
+    )
+    p.add_argument(
+        "--memory-pressure-threshold",
+        type=float,
+        help="shed new requests above this used/allowed memory ratio (default 0.9)",
+    )
+    p.add_argument(
+        "--request-deadline", type=float, help="seconds for a whole request, all rounds (default 1800)"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, help="seconds in-flight requests get after SIGTERM (default 30)"
+    )
+    p.add_argument(
         "--mcp-server",
         action="append",
         help="an operator MCP server, LABEL=URL (streamable HTTP); repeatable. Requests use it with "

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from budget import Limits
+from middleware.models import ModelConfigError, ModelRoute, parse_models
 
 ENV_PREFIX = "LOOPWARDEN_"
 
@@ -56,6 +57,13 @@ class Settings:
     tool_timeout: float = 60.0
     tool_concurrency: int = 5
     tool_max_result_bytes: int = 262_144
+    max_inflight_retained_bytes: int = 0
+    max_concurrent_requests: int = 0
+    retry_after: float = 1.0
+    memory_pressure_threshold: float = 0.9
+    request_deadline: float = 1800.0
+    drain_timeout: float = 30.0
+    models: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     store: str = "sqlite:///./.loopwarden/loopwarden.db"
     api_key: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     api_key_file: str | None = None
@@ -64,6 +72,10 @@ class Settings:
     def __post_init__(self) -> None:
         for name in ("mcp_server", "mcp_allow", "api_key"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        try:
+            parse_models(self.models)
+        except ModelConfigError as exc:
+            raise ConfigError(str(exc)) from None
         for entry in self.mcp_server:
             label, sep, url = entry.partition("=")
             if not sep or not label or not url.startswith(("http://", "https://")):
@@ -75,6 +87,18 @@ class Settings:
         ):
             raise ConfigError(
                 f"store must be memory, sqlite:///PATH or postgresql://..., got {self.store.split('://')[0]!r}"
+            )
+        if self.max_inflight_retained_bytes < 0:
+            raise ConfigError(
+                f"max_inflight_retained_bytes must be >= 0 (0: a quarter of memory / workers), got {self.max_inflight_retained_bytes}"
+            )
+        if self.max_concurrent_requests < 0:
+            raise ConfigError(
+                f"max_concurrent_requests must be >= 0 (0: no cap), got {self.max_concurrent_requests}"
+            )
+        if not 0 < self.memory_pressure_threshold <= 1:
+            raise ConfigError(
+                f"memory_pressure_threshold must be in (0, 1], got {self.memory_pressure_threshold}"
             )
         if not 1 <= self.tool_concurrency <= 100:
             raise ConfigError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
@@ -94,6 +118,9 @@ class Settings:
             "keepalive_interval",
             "mcp_list_ttl",
             "tool_timeout",
+            "retry_after",
+            "request_deadline",
+            "drain_timeout",
         ):
             value = getattr(self, name)
             if not value > 0:
@@ -132,6 +159,11 @@ class Settings:
         return keys
 
     @property
+    def model_routes(self) -> tuple[ModelRoute, ...]:
+        """The configured ``models:`` as routes (validated in ``__post_init__``)."""
+        return parse_models(self.models)
+
+    @property
     def limits(self) -> Limits:
         """The server-wide request limits (a `budget.Limits`)."""
         return Limits(max_infer_iters=self.max_infer_iters, max_retained_bytes=self.max_retained_bytes)
@@ -157,6 +189,12 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     kind = FIELDS[name].type
     if value is None:
         return None
+    if kind == "dict[str, Any]":
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise ConfigError(
+            f"{name} from {source} must be a mapping (set it in the config file), got {value!r}"
+        )
     if kind == "tuple[str, ...]":
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())

@@ -32,6 +32,8 @@ class RequestContext:
     store: bool
     model_label: str = "other"
     owner: str = ""
+    route: Any = None  # the configured ModelRoute of the request's model (None: not configured)
+    cancel_reason: Any = None  # the GatewayError the middleware ended this request with (deadline, drain)
     next_sequence: int = 0
     committed: bool = False
     rounds: int = 0

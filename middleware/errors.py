@@ -19,6 +19,7 @@ class GatewayError(Exception):
     budget 502s), which then carry ``x-should-retry: false`` so SDKs do not multiply their cost.
     ``limit``: the ``loopwarden_cap_hits_total`` ``limit`` label when this failure is a cap hit.
     ``close_connection``: answer with ``Connection: close`` (the body was not read).
+    ``retry_after``: seconds for a ``Retry-After`` header (overload refusals).
     """
 
     def __init__(
@@ -31,10 +32,12 @@ class GatewayError(Exception):
         retryable: bool | None = None,
         limit: str | None = None,
         close_connection: bool = False,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.limit = limit
         self.close_connection = close_connection
+        self.retry_after = retry_after
         self.message = message
         self.status = status
         self.code = code

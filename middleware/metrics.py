@@ -7,7 +7,6 @@ the configured model names or ``other`` (see `model_label`).
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
 
 from prometheus_client import (
     REGISTRY,
@@ -62,11 +61,6 @@ STREAM_ERROR_CODES = frozenset(
 def stream_error_label(code: str) -> str:
     """The bounded ``code`` label of ``loopwarden_stream_errors_total`` for an error code."""
     return code if code in STREAM_ERROR_CODES else "upstream_error"
-
-
-def model_label(model: object, configured: Collection[str] = ()) -> str:
-    """The bounded ``model`` label: `model` if it is a configured name, else ``other``."""
-    return model if isinstance(model, str) and model in configured else "other"
 
 
 CAP_HITS = Counter(
@@ -151,6 +145,22 @@ UPSTREAM_TTFB = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 
+ADMISSION_RESERVED = Gauge(
+    "loopwarden_admission_reserved_bytes",
+    "Budget bytes reserved by requests in flight from this worker's admission pool.",
+    multiprocess_mode="livesum",
+)
+ADMISSION_BUDGET = Gauge(
+    "loopwarden_admission_budget_bytes",
+    "The worker's admission pool (--max-inflight-retained-bytes).",
+    multiprocess_mode="livesum",
+)
+MEMORY_PRESSURE = Gauge(
+    "loopwarden_memory_pressure_ratio",
+    "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
+    multiprocess_mode="livemax",
+)
+
 # (limit, outcome) pairs DESIGN.md §5 can produce; pre-initialised so dashboards show 0, not "No data".
 CAP_HIT_PAIRS = (
     ("max_retained_bytes", "413"),
@@ -193,32 +203,6 @@ def _preinitialise() -> None:
 
 
 _preinitialise()
-
-
-class InflightPool:
-    """The process-wide `budget.ChargePool` every request's ledger draws from.
-
-    It keeps the sum of live ledgers' charges (budget bytes) and mirrors it in
-    ``loopwarden_inflight_retained_bytes``. Unbounded for now: admission control (a bounded pool
-    that refuses) builds on it. Single event loop per process, so no lock is needed.
-    """
-
-    def __init__(self) -> None:
-        self.total = 0
-
-    def try_take(self, nbytes: int) -> bool:
-        """Add ``nbytes`` to the in-flight total; always succeeds."""
-        self.total += nbytes
-        INFLIGHT_RETAINED.set(self.total)
-        return True
-
-    def give_back(self, nbytes: int) -> None:
-        """Subtract ``nbytes`` from the in-flight total."""
-        self.total -= nbytes
-        INFLIGHT_RETAINED.set(self.total)
-
-
-POOL = InflightPool()
 
 
 def exposition() -> bytes:

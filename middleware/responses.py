@@ -75,8 +75,7 @@ class _Exchange:
         self.send = send
 
     async def run(self) -> None:
-        upstream = self.state.upstream
-        assert upstream is not None, "the lifespan creates the upstream client"
+        upstream = self.state.upstream_for(self.ctx.route)
         self.ctx.rounds += 1
         response = await upstream.post("/responses", self.ctx.raw, stream=self.ctx.stream)
         try:

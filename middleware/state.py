@@ -9,6 +9,7 @@ from middleware.config import Settings
 from middleware.upstream import UpstreamClient
 
 if TYPE_CHECKING:
+    from middleware.admission import ProcessPool
     from middleware.store import Store
     from middleware.tools import ToolCatalog
 
@@ -22,3 +23,13 @@ class GatewayState:
     upstream: UpstreamClient | None = None
     catalog: ToolCatalog | None = None
     store: Store | None = None
+    pool: ProcessPool | None = None
+    upstreams: dict[str, UpstreamClient] = dataclasses.field(default_factory=dict)  # per model route
+
+    def upstream_for(self, route: object) -> UpstreamClient:
+        """The upstream client of a request's model route (its own, else the default)."""
+        name = getattr(route, "name", None)
+        client = self.upstreams.get(name) if name is not None else None
+        client = client or self.upstream
+        assert client is not None, "the lifespan creates the upstream client"
+        return client

@@ -107,6 +107,10 @@ class UpstreamClient(Protocol):
         """POST `body` (JSON bytes) to ``base_url + path``; raises UpstreamError subclasses."""
         ...
 
+    async def get(self, path: str) -> UpstreamResponse:
+        """GET ``base_url + path`` (e.g. ``/models``); raises UpstreamError subclasses."""
+        ...
+
     async def aclose(self) -> None:
         """Close every pooled connection."""
         ...
@@ -208,14 +212,19 @@ class HttpxUpstream:
         )
 
     async def post(self, path: str, body: bytes, *, stream: bool) -> UpstreamResponse:
+        accept = "text/event-stream" if stream else "application/json"
+        return await self._send(
+            self._client.build_request("POST", self.base_url + path, content=body, headers={"accept": accept})
+        )
+
+    async def get(self, path: str) -> UpstreamResponse:
+        return await self._send(
+            self._client.build_request("GET", self.base_url + path, headers={"accept": "application/json"})
+        )
+
+    async def _send(self, request: httpx.Request) -> UpstreamResponse:
         started = time.monotonic()
         deadline = asyncio.get_running_loop().time() + self._deadline
-        request = self._client.build_request(
-            "POST",
-            self.base_url + path,
-            content=body,
-            headers={"accept": "text/event-stream" if stream else "application/json"},
-        )
         try:
             async with asyncio.timeout_at(deadline):
                 response = await self._client.send(request, stream=True)

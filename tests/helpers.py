@@ -222,6 +222,9 @@ class CountingUpstream:
 
         return _Counted()
 
+    async def get(self, path: str) -> Any:
+        return await self.inner.get(path)
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 

@@ -220,6 +220,7 @@ def test_client_lowering_headers(upstream: MockUpstream) -> None:
         too_low = post(url, body, **{"loopwarden-max-infer-iters": "0"})
     assert lowered.status_code == 413
     assert lowered.json()["error"]["code"] == "request_too_large"
+    assert "loopwarden-max-retained-bytes header" not in lowered.text  # the clamp message says its own fix
     assert raised.status_code == 200  # a client can lower, never raise, its limits
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "loopwarden-max-retained-bytes"
@@ -718,3 +719,14 @@ def test_api_keys_gate_every_create_request(upstream: MockUpstream) -> None:
     assert "k-one" not in wrong.text and "nope" not in wrong.text
     assert counter.body_bytes == len(PREFIX + b"hi" + SUFFIX), "refused requests' bodies are not read"
     assert len(upstream.requests) == 1
+
+
+def test_errors_caused_by_a_lowering_header_say_so(upstream: MockUpstream) -> None:
+    with gateway(upstream) as (url, _):
+        r = post(url, PREFIX + b"a" * 200 + SUFFIX, **{"loopwarden-max-retained-bytes": "16384"})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "max_retained_bytes_exceeded"
+    assert (
+        "lowered max_retained_bytes with its loopwarden-max-retained-bytes header"
+        in r.json()["error"]["message"]
+    )

@@ -1,0 +1,208 @@
+"""Process-wide admission control, memory-pressure shedding and drain state (issue 10).
+
+The per-request ledger protects a request from itself; `ProcessPool` protects the worker from the
+sum of its requests. Every request first reserves budget bytes from the pool — ``min(its
+max_retained_bytes, Content-Length x the input multiplier)`` — before its body is read, and every
+later ledger charge draws from that reservation, then from the pool, in the same synchronous step
+(`RequestReservation` is the ledger's `budget.ChargePool`). The pool is per worker process; one
+event loop per process, so plain integers suffice (check-then-commit without awaiting).
+
+Refusals (the middleware maps them, DESIGN.md §5): a request that does not fit now -> 503
+``server_overloaded`` with ``Retry-After`` (body not read); one whose reservation exceeds the whole
+pool -> 413 ``process_budget_exceeded``; growth refused mid-request -> `budget.PoolExhausted`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from middleware import metrics
+
+
+def memory_limit_bytes() -> int:
+    """Memory this process may use: the cgroup v2/v1 limit when one is set, else physical RAM."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(text)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_pool_bytes(workers: int) -> int:
+    """A quarter of `memory_limit_bytes`, divided by the worker count (issue 10's default)."""
+    return memory_limit_bytes() // 4 // max(1, workers)
+
+
+def memory_pressure() -> float:
+    """Used / allowed memory: cgroup ``memory.current / memory.max`` when both exist, else this
+    process's RSS / physical RAM."""
+    try:
+        current = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        limit_text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit_text.isdigit():
+            return current / int(limit_text)
+    except (OSError, ValueError):
+        pass
+    try:
+        rss_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return rss_pages * os.sysconf("SC_PAGE_SIZE") / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+class ProcessPool:
+    """The worker's budget: ``budget_bytes`` of ledger charges and ``max_requests`` requests in
+    flight (0: no request cap). ``pressure`` (a callable returning used/allowed memory, polled at
+    most every ``pressure_interval`` seconds) sheds new requests above ``pressure_threshold``.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        max_requests: int = 0,
+        pressure: Callable[[], float] | None = None,
+        pressure_threshold: float = 0.9,
+        pressure_interval: float = 1.0,
+    ) -> None:
+        if budget_bytes < 1:
+            raise ValueError(f"max_inflight_retained_bytes must be >= 1, got {budget_bytes}")
+        self.budget = budget_bytes
+        self.max_requests = max_requests
+        self.reserved = 0  # budget bytes held by live requests
+        self.requests = 0
+        self.pressure = pressure
+        self.pressure_threshold = pressure_threshold
+        self.pressure_interval = pressure_interval
+        self._pressure_at = -1e9
+        self._pressure_value = 0.0
+        metrics.ADMISSION_BUDGET.set(budget_bytes)
+        self._publish()
+
+    def _publish(self) -> None:
+        metrics.ADMISSION_RESERVED.set(self.reserved)
+        metrics.INFLIGHT_RETAINED.set(self.reserved)
+
+    def pressure_ratio(self) -> float:
+        """The last polled memory-pressure ratio (polled again when stale)."""
+        if self.pressure is None:
+            return 0.0
+        now = time.monotonic()
+        if now - self._pressure_at >= self.pressure_interval:
+            self._pressure_at = now
+            self._pressure_value = float(self.pressure())
+            metrics.MEMORY_PRESSURE.set(self._pressure_value)
+        return self._pressure_value
+
+    @property
+    def saturated(self) -> bool:
+        """True when a new request would be refused now (for ``/readyz``)."""
+        return (
+            self.reserved >= self.budget
+            or (self.max_requests > 0 and self.requests >= self.max_requests)
+            or self.pressure_ratio() > self.pressure_threshold
+        )
+
+    def refusal(self, nbytes: int) -> str | None:
+        """Why a request reserving ``nbytes`` cannot be admitted now (None: it can)."""
+        if self.max_requests > 0 and self.requests >= self.max_requests:
+            return f"{self.requests} requests are in flight (--max-concurrent-requests={self.max_requests})"
+        ratio = self.pressure_ratio()
+        if ratio > self.pressure_threshold:
+            return f"memory pressure is {ratio:.0%}, over the {self.pressure_threshold:.0%} threshold"
+        if self.reserved + nbytes > self.budget:
+            return (
+                f"{self.reserved} of {self.budget} budget bytes are reserved by requests in flight "
+                f"(--max-inflight-retained-bytes); this request needs {nbytes}"
+            )
+        return None
+
+    def admit(self, nbytes: int) -> RequestReservation:
+        """Reserve ``nbytes`` for a new request (the caller checked `refusal` first)."""
+        self.reserved += nbytes
+        self.requests += 1
+        self._publish()
+        return RequestReservation(self, nbytes)
+
+    def take(self, nbytes: int) -> bool:
+        """Draw ``nbytes`` more for a request in flight; False when the pool cannot."""
+        if self.reserved + nbytes > self.budget:
+            return False
+        self.reserved += nbytes
+        self._publish()
+        return True
+
+    def give(self, nbytes: int) -> None:
+        """Return ``nbytes`` budget bytes to the pool."""
+        self.reserved -= nbytes
+        self._publish()
+
+
+@dataclasses.dataclass(eq=False)
+class RequestReservation:
+    """One request's share of the `ProcessPool`, and its ledger's `budget.ChargePool`.
+
+    Charges are drawn from the initial reservation first, then from the pool; released charges
+    return to the pool beyond the initial reservation, which is held until `close`.
+    """
+
+    pool: ProcessPool
+    initial: int
+    charged: int = 0
+    held: int = dataclasses.field(init=False)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.held = self.initial
+
+    def try_take(self, nbytes: int) -> bool:
+        """Charge ``nbytes``; False when neither the reservation nor the pool has room."""
+        need = self.charged + nbytes - self.held
+        if need > 0:
+            if not self.pool.take(need):
+                return False
+            self.held += need
+        self.charged += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        """Release ``nbytes``; what exceeds the initial reservation goes back to the pool."""
+        self.charged -= nbytes
+        excess = self.held - max(self.initial, self.charged)
+        if excess > 0:
+            self.held -= excess
+            self.pool.give(excess)
+
+    def close(self) -> None:
+        """End of request: everything held returns to the pool (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.pool.give(self.held)
+        self.pool.requests -= 1
+        self.held = 0
+        self.pool._publish()
+
+
+class DrainState:
+    """Graceful drain: set on SIGTERM; in-flight requests get ``drain_timeout`` seconds."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.deadline: float | None = None  # loop time after which in-flight requests are ended
+
+    def start(self, drain_timeout: float, now: float) -> None:
+        """Stop admitting; in-flight requests may run until ``now + drain_timeout``."""
+        if not self.draining:
+            self.draining = True
+            self.deadline = now + drain_timeout
+
+
+DRAIN = DrainState()
