@@ -206,3 +206,22 @@ class DrainState:
 
 
 DRAIN = DrainState()
+
+
+def install_drain_hook(drain_timeout: float, drain: DrainState = DRAIN) -> None:
+    """Make uvicorn's exit handler (SIGTERM / SIGINT) start the gateway's drain first.
+
+    Called by the CLI before serving, and by each worker process (`create_app_from_env`): uvicorn
+    creates its own server object in a worker, so the hook patches the class, idempotently.
+    """
+    import uvicorn
+
+    current = uvicorn.Server.handle_exit
+    original = getattr(current, "_loopwarden_original", current)
+
+    def handle_exit(self: uvicorn.Server, sig: int, frame: object) -> None:
+        drain.start(drain_timeout, time.monotonic())
+        original(self, sig, frame)  # type: ignore[arg-type]
+
+    handle_exit._loopwarden_original = original  # type: ignore[attr-defined]
+    uvicorn.Server.handle_exit = handle_exit  # type: ignore[method-assign]

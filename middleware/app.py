@@ -19,18 +19,20 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from middleware import metrics
-from middleware.admission import DRAIN, ProcessPool, default_pool_bytes, memory_pressure
+from middleware.admission import DRAIN, ProcessPool, default_pool_bytes, install_drain_hook, memory_pressure
 from middleware.auth import Authenticator
 from middleware.budget_mw import BudgetMiddleware
 from middleware.config import Settings
 from middleware.embedded import BackgroundServer
 from middleware.errors import GatewayError, envelope_bytes, error_headers
 from middleware.models import ModelRouter
+from middleware.request_id import RequestIdMiddleware
 from middleware.responses import ResponsesApp
 from middleware.state import GatewayState
 from middleware.store import Store, open_store
@@ -129,10 +131,12 @@ def create_app(
     settings: Settings,
     *,
     upstream_factory: Callable[[Settings, str], UpstreamClient] = default_upstream,
+    pressure_source: Callable[[], float] = memory_pressure,
 ) -> Starlette:
     """Build the gateway app for `settings`.
 
-    `upstream_factory(settings, base_url)` makes the upstream client (default `HttpxUpstream`).
+    `upstream_factory(settings, base_url)` makes the upstream client (default `HttpxUpstream`);
+    `pressure_source()` reports used/allowed memory for the admission safety net.
     """
     state = GatewayState(settings=settings)
     authenticator = Authenticator(settings.api_keys())
@@ -196,7 +200,7 @@ def create_app(
     pool = ProcessPool(
         settings.max_inflight_retained_bytes or default_pool_bytes(settings.workers),
         max_requests=settings.max_concurrent_requests,
-        pressure=memory_pressure,
+        pressure=pressure_source,
         pressure_threshold=settings.memory_pressure_threshold,
     )
     state.pool = pool
@@ -240,9 +244,16 @@ def create_app(
         404: route_error_response,
         405: route_error_response,
     }
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers=handlers,
+        middleware=[Middleware(RequestIdMiddleware)],
+    )
 
 
 def create_app_from_env() -> Starlette:
     """Factory for uvicorn workers: the settings come from the environment (`Settings.to_env`)."""
-    return create_app(Settings.from_env_json())
+    settings = Settings.from_env_json()
+    install_drain_hook(settings.drain_timeout)
+    return create_app(settings)

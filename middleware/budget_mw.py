@@ -52,6 +52,7 @@ from middleware.auth import Authenticator
 from middleware.context import RequestContext
 from middleware.errors import GatewayError, InvalidRequest, envelope_bytes, error_headers, sse_error_frame
 from middleware.models import ModelRouter
+from middleware.request_id import REQUEST_ID
 from middleware.upstream import UpstreamError
 from middleware.validate import validate_request
 
@@ -472,6 +473,9 @@ class _Guard:
         """Exactly one answer for `error`: JSON before commit, one SSE error frame after."""
         if self.finished:
             return
+        rid = REQUEST_ID.get()
+        if rid != "-" and "[request id" not in error.message:
+            error.message += f" [request id {rid}]"
         field = LIMIT_OF_CODE.get(error.code)
         if field in self.lowered:
             header = next(name for name, f in LIMIT_HEADERS.items() if f == field).decode()

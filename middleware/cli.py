@@ -13,10 +13,13 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 
+from middleware.admission import install_drain_hook
 from middleware.config import ConfigError, load_settings
+from middleware.request_id import log_config
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -93,6 +96,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--tool-max-result-bytes", type=int, help="per-call tool result cap in bytes (default 262144)"
     )
     p.add_argument("--log-level", help="critical, error, warning, info or debug (default info)")
+    p.add_argument(
+        "--log-format", help="text or json (one JSON object per line); every line has the request id"
+    )
     p.add_argument(
         "--store",
         help="where responses are stored: sqlite:///PATH (default sqlite:///./.loopwarden/loopwarden.db), "
@@ -174,23 +180,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
+    common: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "log_config": log_config(settings.log_level, json_lines=settings.log_format == "json"),
+        # uvicorn's own cut-off comes after ours, so drained requests get their error frame first
+        "timeout_graceful_shutdown": settings.drain_timeout + 5,
+    }
+    install_drain_hook(settings.drain_timeout)
     if settings.workers == 1:
         from middleware.app import create_app
 
-        uvicorn.run(
-            create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
-        )
+        uvicorn.run(create_app(settings), **common)
     else:
         os.environ.update(settings.to_env())
         _multiprocess_metrics_dir()
-        uvicorn.run(
-            "middleware.app:create_app_from_env",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=settings.workers,
-            log_level=settings.log_level,
-        )
+        uvicorn.run("middleware.app:create_app_from_env", factory=True, workers=settings.workers, **common)
     return 0
 
 

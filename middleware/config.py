@@ -51,6 +51,7 @@ class Settings:
     keepalive_interval: float = 15.0
     workers: int = 1
     log_level: str = "info"
+    log_format: str = "text"
     mcp_server: tuple[str, ...] = ()
     mcp_allow: tuple[str, ...] = ()
     mcp_list_ttl: float = 300.0
@@ -135,6 +136,8 @@ class Settings:
             )
         if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
             raise ConfigError(f"upstream must be an http:// or https:// URL, got {self.upstream!r}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ConfigError(
                 f"log_level must be one of critical, error, warning, info, debug, got {self.log_level!r}"

@@ -20,6 +20,7 @@ import httpx
 
 from middleware import metrics
 from middleware.errors import GatewayError
+from middleware.request_id import REQUEST_ID
 
 # Never copied from upstream to client (hop-by-hop and framing headers; RFC 9110 §7.6.1).
 HOP_BY_HOP = frozenset(
@@ -223,6 +224,9 @@ class HttpxUpstream:
         )
 
     async def _send(self, request: httpx.Request) -> UpstreamResponse:
+        rid = REQUEST_ID.get()
+        if rid != "-":
+            request.headers["x-request-id"] = rid  # correlate the upstream's logs with ours
         started = time.monotonic()
         deadline = asyncio.get_running_loop().time() + self._deadline
         try:

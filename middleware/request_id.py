@@ -1,0 +1,113 @@
+"""Request ids (issue 10): accept or mint ``x-request-id``, return it, and put it in every log line.
+
+`RequestIdMiddleware` (pure ASGI, outermost) takes the client's ``x-request-id`` when it is 1 to
+128 characters of ``[A-Za-z0-9._:-]`` (anything else is replaced, never echoed), else mints
+``req_<32 hex>``; stores it in the `REQUEST_ID` context variable for the request's task tree and
+adds it to the response headers. `RequestIdFilter` stamps ``record.request_id`` on log records;
+`configure_logging(json=True)` writes one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import re
+import secrets
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("loopwarden_request_id", default="-")
+_VALID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_of(scope: Scope) -> str:
+    """The client's ``x-request-id`` if well-formed, else a fresh ``req_<hex>``."""
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for name, value in headers:
+        if name.lower() == b"x-request-id":
+            text = value.decode("latin-1")
+            if _VALID.fullmatch(text):
+                return text
+            break
+    return "req_" + secrets.token_hex(16)
+
+
+class RequestIdMiddleware:
+    """Sets `REQUEST_ID` and the ``x-request-id`` response header for every HTTP request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id_of(scope)
+        token = REQUEST_ID.set(rid)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds ``request_id`` (``-`` outside a request) to every record it sees."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, request_id, message (and exc when present)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", REQUEST_ID.get()),
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def log_config(level: str, *, json_lines: bool) -> dict[str, object]:
+    """A `logging.config.dictConfig` for uvicorn and the gateway: every line carries the request id."""
+    formatter: dict[str, object] = (
+        {"()": JsonFormatter}
+        if json_lines
+        else {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}
+    )
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {"request_id": {"()": RequestIdFilter}},
+        "formatters": {"default": formatter},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "default",
+                "filters": ["request_id"],
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "loggers": {
+            "": {"handlers": ["stderr"], "level": level.upper()},
+            "uvicorn": {"handlers": [], "level": level.upper(), "propagate": True},
+            "uvicorn.error": {"handlers": [], "level": level.upper(), "propagate": True},
+            "uvicorn.access": {"handlers": [], "level": level.upper(), "propagate": True},
+        },
+    }
