@@ -32,7 +32,7 @@ from starlette.types import Send
 from budget import BudgetExceeded
 from middleware import metrics
 from middleware.context import RequestContext
-from middleware.errors import GatewayError, InvalidRequest
+from middleware.errors import GatewayError, InvalidRequest, redact
 from middleware.history import Restored, approval_id, check_call_pairs, pending_approvals, restore_history
 from middleware.loop import (
     Continue,
@@ -59,6 +59,11 @@ from middleware.upstream import UpstreamError, UpstreamResponse, upstream_status
 
 T = TypeVar("T")
 log = logging.getLogger("loopwarden")
+TERMINAL_STATUS = {
+    "response.completed": "completed",
+    "response.incomplete": "incomplete",
+    "response.failed": "failed",
+}
 LIFECYCLE = frozenset({"response.created", "response.in_progress", "response.queued"})
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 ERROR_BODY_LIMIT = 64 * 1024
@@ -80,7 +85,7 @@ def upstream_error_event(obj: dict[str, Any]) -> GatewayError:
     nested: dict[str, Any] = raw_nested if isinstance(raw_nested, dict) else {}
     message = obj.get("message") or nested.get("message") or "upstream reported an error"
     code = obj.get("code") or nested.get("code") or nested.get("type") or "upstream_error"
-    return GatewayError(str(message), status=502, code=str(code))
+    return GatewayError(redact(str(message))[:4000], status=502, code=str(code)[:200])
 
 
 async def read_limited(response: UpstreamResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
@@ -110,6 +115,13 @@ def sum_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None
         elif key not in out:
             out[key] = value
     return out
+
+
+def _epoch(value: Any) -> int:
+    """An upstream ``created_at`` as epoch seconds (now when it is missing or not a sane number)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e11:
+        return int(value)
+    return int(time.time())
 
 
 def as_input_items(value: Any) -> list[dict[str, Any]]:
@@ -186,7 +198,10 @@ class AgentLoop:
         self.usage: dict[str, Any] | None = None
         self.tool_calls_used = 0
         max_tool_calls = self.request.get("max_tool_calls")
-        self.max_tool_calls: int | None = max_tool_calls if isinstance(max_tool_calls, int) else None
+        # validate_request allows integral floats (2.0): honour them as the integer they are
+        self.max_tool_calls: int | None = (
+            int(max_tool_calls) if isinstance(max_tool_calls, int | float) else None
+        )
         self.stitcher = StreamStitcher(self) if ctx.stream else None
         self.persisted = False
 
@@ -217,7 +232,11 @@ class AgentLoop:
             metrics.INFERENCE_ROUNDS.observe(self.ctx.rounds)
 
     async def _prepare(self) -> None:
-        """Restore stored history, check call pairing, and settle answered approvals (B03, B05)."""
+        """Charge the tool lists, restore stored history, check call pairing, and settle answered
+        approvals (B03, B05)."""
+        if self.resolved.list_items:  # what tools/list brought in is kept for every round
+            kept = [self.resolved.list_items, self.resolved.upstream_tools]
+            self.ctx.ledger.admit_accumulated(json.dumps(kept, separators=(",", ":")).encode())
         store = self.state.store
         if store is not None:
             self.restored = await restore_history(self.request, store, self.ctx.owner, self.ctx.ledger)
@@ -233,7 +252,22 @@ class AgentLoop:
             )
         approvals = pending_approvals(self.history, self.input_items)
         check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
+        for call, _ in approvals:
+            if self.resolved.gateway_tool(str(call.get("name"))) is None:
+                raise InvalidRequest(
+                    f"the approved call {call.get('call_id')!r} is for tool {str(call.get('name'))[:100]!r}, which this "
+                    "request's tools do not declare; resend the mcp tool with the approval",
+                    code="invalid_value",
+                    param="tools",
+                )
         approved = [call for call, answer in approvals if answer.get("approve") is True]
+        if self.max_tool_calls is not None and len(approved) > self.max_tool_calls:
+            raise InvalidRequest(
+                f"{len(approved)} approved tool calls exceed this request's max_tool_calls={self.max_tool_calls}; "
+                "approve fewer calls or raise max_tool_calls",
+                code="invalid_value",
+                param="max_tool_calls",
+            )
         if approved and self.stitcher is not None:
             await self.stitcher.ensure_started()
         outcomes = dict(zip((id(c) for c in approved), await self._run_tools(approved), strict=True))
@@ -293,7 +327,13 @@ class AgentLoop:
                     limit="max_infer_iters",
                 )
             run: tuple[dict[str, Any], ...] = () if isinstance(decision, Done) else decision.run
-            omitted = decision.omitted if isinstance(decision, Incomplete) else ()
+            pending_ids = {id(c) for c in approvals} if isinstance(decision, RequiresClientAction) else set()
+            ran_ids = {id(c) for c in run}
+            # gateway calls that neither run nor await approval (tool cap, upstream incomplete or
+            # failed) are omitted: hidden from the client and never replayed without an output
+            omitted = tuple(
+                c for c in (*gateway_calls, *approvals) if id(c) not in ran_ids and id(c) not in pending_ids
+            )
             outcomes = await self._run_tools(run)
             self.tool_calls_used += len(run)
             pending = approvals if isinstance(decision, RequiresClientAction) else []
@@ -312,7 +352,19 @@ class AgentLoop:
         gateway: list[dict[str, Any]] = []
         client: list[dict[str, Any]] = []
         approvals: list[dict[str, Any]] = []
+        seen = {
+            i.get("call_id")
+            for i in (*self.history, *self.new_input, *self.replay)
+            if i.get("type") == "function_call"
+        }
         for item in output:
+            if item.get("type") == "function_call":
+                call_id, name = item.get("call_id"), item.get("name")
+                if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
+                    raise invalid("upstream returned a function_call without a string call_id and name")
+                if call_id in seen:
+                    raise invalid(f"upstream returned a duplicate call_id {call_id[:100]!r}")
+                seen.add(call_id)
             if item.get("type") != "function_call":
                 if item.get("type") in (
                     "custom_tool_call",
@@ -471,7 +523,7 @@ class AgentLoop:
             StoredResponse(
                 id=self.response_id,
                 owner=self.ctx.owner,
-                created_at=int(response.get("created_at") or time.time()),
+                created_at=_epoch(response.get("created_at")),
                 status=status if status in RESPONSE_STATUSES else "completed",
                 model=str(self.request.get("model")),
                 previous_response_id=self.restored.previous_response_id,
@@ -483,6 +535,14 @@ class AgentLoop:
             output_items=self.items,
             replay_items=self.replay,
         )
+
+    async def _persist_checked(self, response: dict[str, Any]) -> None:
+        """`_persist`, but a response the store cannot encode (NaN, huge numbers from an upstream)
+        is logged and not stored, rather than failing a request that otherwise succeeded."""
+        try:
+            await self._persist(response)
+        except (ValueError, OverflowError) as exc:
+            log.warning("response %s was not stored: %s", self.response_id, exc)
 
     async def _persist_failure(self, status: str, error: dict[str, Any] | None) -> None:
         """Store the true status of a request that failed or whose client went away (best effort)."""
@@ -501,7 +561,7 @@ class AgentLoop:
             "previous_response_id": self.restored.previous_response_id,
         }
         try:
-            await asyncio.shield(self._persist(response))
+            await asyncio.shield(self._persist_checked(response))
         except Exception:
             log.exception("could not store the %s status of response %s", status, self.response_id)
 
@@ -511,7 +571,7 @@ class AgentLoop:
         raw = json.dumps(final, separators=(",", ":")).encode()
         self.ctx.ledger.admit_terminal(raw)
         self.persisted = True
-        await self._persist(final)
+        await self._persist_checked(final)
         if self.stitcher is not None:
             await self.stitcher.terminal(final)
             return
@@ -522,11 +582,11 @@ class AgentLoop:
     # -- one round -------------------------------------------------------------------------
     async def _round(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         upstream = self.state.upstream_for(self.ctx.route)
-        response = await upstream.post("/responses", body, stream=self.ctx.stream)
+        response = await self._with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
         try:
             if response.status_code >= 400:
                 raise upstream_status_error(response.status_code, await read_limited(response))
-            if response.headers.get("content-type", "").startswith("text/event-stream"):
+            if response.headers.get("content-type", "").lower().startswith("text/event-stream"):
                 return await self._round_stream(response)
             return await self._round_buffered(response)
         finally:
@@ -569,7 +629,10 @@ class AgentLoop:
             raise GatewayError(
                 "upstream stream ended without a terminal event", status=502, code="upstream_incomplete"
             )
-        terminal, output = acc.terminal, acc.output()
+        # The terminal event's type is the round's status: a response.failed / .incomplete never
+        # runs tools, whatever its "status" field says (DESIGN.md §6).
+        status = TERMINAL_STATUS[acc.terminal_type or "response.completed"]
+        terminal, output = {**acc.terminal, "status": status}, acc.output()
         acc.release_all()
         return terminal, output
 
@@ -672,6 +735,7 @@ class StreamStitcher:
             return
         if event.type in TERMINAL_EVENTS:
             self.round_map = {}
+            await self.ensure_started()  # an upstream that sent nothing before its terminal event
             return
         if not self.started:
             await self._start(response)
@@ -740,6 +804,7 @@ class StreamStitcher:
 
     async def announce_call(self, call: dict[str, Any]) -> None:
         """An ``mcp_call`` item is added (in progress) for a gateway call about to run."""
+        await self.ensure_started()
         tool = self.loop.resolved.gateway_tool(str(call.get("name")))
         assert tool is not None
         item_id = new_id("mcp")

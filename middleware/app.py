@@ -30,7 +30,7 @@ from middleware.auth import Authenticator
 from middleware.budget_mw import BudgetMiddleware
 from middleware.config import Settings
 from middleware.embedded import BackgroundServer
-from middleware.errors import GatewayError, envelope_bytes, error_headers
+from middleware.errors import GatewayError, envelope_bytes, error_headers, redact, register_secret
 from middleware.models import ModelRouter
 from middleware.request_id import RequestIdMiddleware
 from middleware.responses import ResponsesApp
@@ -38,7 +38,7 @@ from middleware.state import GatewayState
 from middleware.store import Store, open_store
 from middleware.store_routes import store_routes
 from middleware.tools import McpServerConfig, ToolCatalog
-from middleware.upstream import HttpxUpstream, UpstreamClient, upstream_status_error
+from middleware.upstream import HttpxUpstream, UpstreamClient, UpstreamError, upstream_status_error
 
 log = logging.getLogger("loopwarden")
 
@@ -69,21 +69,28 @@ async def route_error_response(request: Request, exc: Exception) -> Response:
 
 
 async def passthrough_models(upstream: UpstreamClient) -> Response:
-    """The upstream's ``GET /models`` answer (read up to 1 MiB), or a 502 envelope."""
-    response = await upstream.get("/models")
+    """The upstream's ``GET /models`` answer (read up to 1 MiB), or a 502 / 504 envelope."""
     try:
-        body = b""
-        async for chunk in response.chunks():
-            body += chunk
-            if len(body) > 1 << 20:
-                raise GatewayError(
-                    "the upstream's model list is over 1 MiB", status=502, code="upstream_response_too_large"
-                )
-        if response.status_code >= 400:
-            raise upstream_status_error(response.status_code, body[:65536])
-        return Response(body, status_code=200, media_type="application/json")
-    finally:
-        await response.aclose()
+        response = await upstream.get("/models")
+        try:
+            body = b""
+            async for chunk in response.chunks():
+                body += chunk
+                if len(body) > 1 << 20:
+                    raise GatewayError(
+                        "the upstream's model list is over 1 MiB",
+                        status=502,
+                        code="upstream_response_too_large",
+                    )
+        finally:
+            await response.aclose()
+    except UpstreamError as exc:
+        raise GatewayError(
+            redact(exc.message), status=504 if exc.kind == "timeout" else 502, code=exc.code
+        ) from None
+    if response.status_code >= 400:
+        raise upstream_status_error(response.status_code, body[:65536])
+    return Response(body, status_code=200, media_type="application/json")
 
 
 async def healthz(request: Request) -> Response:
@@ -139,7 +146,10 @@ def create_app(
     `pressure_source()` reports used/allowed memory for the admission safety net.
     """
     state = GatewayState(settings=settings)
-    authenticator = Authenticator(settings.api_keys())
+    keys = settings.api_keys()
+    authenticator = Authenticator(keys)
+    for secret in (settings.upstream_api_key, *keys, *(r.upstream_api_key for r in settings.model_routes)):
+        register_secret(secret)
     router = ModelRouter(settings.model_routes)
 
     async def list_models(request: Request) -> Response:

@@ -460,7 +460,10 @@ class _Guard:
             log.exception("internal error while serving a request")
             await self._answer_error(
                 GatewayError(
-                    "the gateway failed while serving this request", status=500, code="internal_error"
+                    "the gateway failed while serving this request",
+                    status=500,
+                    code="internal_error",
+                    retryable=False,
                 )
             )
 

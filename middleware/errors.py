@@ -52,6 +52,23 @@ class InvalidRequest(GatewayError):
         super().__init__(message, status=400, code=code, param=param, retryable=False)
 
 
+_SECRETS: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """Remember an operator secret (an upstream or gateway API key) so `redact` hides it."""
+    if value and len(value) >= 6:
+        _SECRETS.add(value)
+
+
+def redact(text: str) -> str:
+    """`text` with every registered secret replaced by ``***`` (upstream messages can echo keys)."""
+    for secret in _SECRETS:
+        if secret in text:
+            text = text.replace(secret, "***")
+    return text
+
+
 def error_type(status: int) -> str:
     """The envelope ``type`` for a status: invalid_request_error (4xx) or server_error (5xx)."""
     return "invalid_request_error" if status < 500 else "server_error"

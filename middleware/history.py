@@ -10,6 +10,7 @@ plus new input would leave a function call without its output or an output witho
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -136,13 +137,30 @@ def pending_approvals(
 
     Raises 400 naming an ``approval_request_id`` that matches no pending call of the history.
     """
-    calls = {item.get("call_id"): item for item in history if item.get("type") == "function_call"}
-    answered = {item.get("call_id") for item in history if item.get("type") == "function_call_output"}
+    calls = {
+        item.get("call_id"): item
+        for item in history
+        if item.get("type") == "function_call" and isinstance(item.get("call_id"), str)
+    }
+    answered = {
+        item.get("call_id")
+        for item in history
+        if item.get("type") == "function_call_output" and isinstance(item.get("call_id"), str)
+    }
     out = []
+    seen: set[str] = set()
     for item in new_input:
         if item.get("type") != "mcp_approval_response":
             continue
         rid = item.get("approval_request_id")
+        if isinstance(rid, str) and rid in seen:
+            raise InvalidRequest(
+                f"approval request {rid!r} is answered twice; send one mcp_approval_response per request",
+                code="invalid_value",
+                param="input",
+            )
+        if isinstance(rid, str):
+            seen.add(rid)
         call_id = (
             rid[len(APPROVAL_PREFIX) :] if isinstance(rid, str) and rid.startswith(APPROVAL_PREFIX) else None
         )
@@ -169,9 +187,34 @@ def check_call_pairs(
     Raises 400 ``param: "input"`` naming the first ``call_id`` at fault.
     """
     items = [*history, *new_input]
-    calls = [item.get("call_id") for item in items if item.get("type") == "function_call"]
-    outputs = [item.get("call_id") for item in items if item.get("type") == "function_call_output"]
+    for item in new_input:
+        if item.get("type") in ("function_call", "function_call_output"):
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidRequest(
+                    f"every {item.get('type')} needs a string call_id, got {str(call_id)[:100]!r}",
+                    code="invalid_type",
+                    param="input",
+                )
+    calls = [
+        item.get("call_id")
+        for item in items
+        if item.get("type") == "function_call" and isinstance(item.get("call_id"), str)
+    ]
+    outputs = [
+        item.get("call_id")
+        for item in items
+        if item.get("type") == "function_call_output" and isinstance(item.get("call_id"), str)
+    ]
     known = set(calls)
+    for call_id, count in collections.Counter(outputs).items():
+        if count == 1:
+            continue
+        raise InvalidRequest(
+            f"the function call {call_id!r} has more than one function_call_output; send exactly one",
+            code="invalid_value",
+            param="input",
+        )
     for call_id in outputs:
         if call_id not in known:
             raise InvalidRequest(

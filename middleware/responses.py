@@ -81,19 +81,24 @@ class _Exchange:
         try:
             if response.status_code >= 400:
                 raise upstream_status_error(response.status_code, await read_limited(response))
-            is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+            is_sse = response.headers.get("content-type", "").lower().startswith("text/event-stream")
             if self.ctx.stream and is_sse:
                 await self._forward_stream(response)
             elif is_sse:
                 final = await self._aggregate_stream(response)
                 await self._answer_json(json.dumps(final, separators=(",", ":")).encode())
             else:
-                await self._answer_buffered(response)
+                body, parsed = await self._read_buffered(response)
+                if self.ctx.stream:  # a server that ignored "stream": the client still gets SSE
+                    await self._synthesize_stream(parsed)
+                else:
+                    await self._answer_json(body)
         finally:
             await response.aclose()
 
     # -- buffered ------------------------------------------------------------------------------
-    async def _answer_buffered(self, response: UpstreamResponse) -> None:
+    async def _read_buffered(self, response: UpstreamResponse) -> tuple[bytes, dict[str, Any]]:
+        """The upstream's JSON body and its parse; the body's charge is exchanged for the kept output."""
         body, charge = await read_buffered_body(response, self.ctx.ledger)
         try:
             parsed = json.loads(body)
@@ -105,7 +110,32 @@ class _Exchange:
         kept = json.dumps(output if isinstance(output, list) else [], separators=(",", ":")).encode()
         self.ctx.ledger.admit_accumulated(kept)
         self.ctx.ledger.release(charge)
-        await self._answer_json(body)
+        return body, parsed
+
+    async def _synthesize_stream(self, response: dict[str, Any]) -> None:
+        """The SSE events of a complete response object: created, each item added and done, the
+        terminal event its status names."""
+        items = [item for item in response.get("output") or [] if isinstance(item, dict)]
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"response": {**response, "status": "in_progress", "output": []}})
+        ]
+        for index, item in enumerate(items):
+            events.append(("response.output_item.added", {"output_index": index, "item": item}))
+            events.append(("response.output_item.done", {"output_index": index, "item": item}))
+        status = response.get("status")
+        terminal = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+            str(status), "response.completed"
+        )
+        events.append((terminal, {"response": response}))
+        await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        for kind, payload in events:
+            obj = {"type": kind, "sequence_number": self.ctx.next_sequence, **payload}
+            self.ctx.next_sequence += 1
+            data = json.dumps(obj, separators=(",", ":")).encode()
+            await self.send(
+                {"type": "http.response.body", "body": encode_event(kind, data), "more_body": True}
+            )
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _answer_json(self, raw: bytes) -> None:
         self.ctx.ledger.admit_terminal(raw)

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from middleware.errors import GatewayError
 from middleware.sse import SSEDecodeError, SSEParser
 from middleware.upstream import UpstreamResponse
 
+EVENT_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # what may be written into an `event:` line
 SLICE = 4096  # bytes fed to the SSE parser at a time, so charges do not depend on socket reads
 MAX_UPSTREAM_DEPTH = 256  # JSON nesting accepted from the upstream (json.loads recurses per level)
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -103,7 +105,10 @@ async def read_stream_events(
                     if not isinstance(obj, dict):
                         raise invalid("upstream SSE data is not a JSON object")
                     kind = obj.get("type")
-                    yield UpstreamEvent(kind if isinstance(kind, str) else event.event, data, obj)
+                    kind = kind if isinstance(kind, str) else event.event
+                    if not EVENT_TYPE.fullmatch(kind):
+                        raise invalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
+                    yield UpstreamEvent(kind, data, obj)
     finally:
         if pending is not None:
             pending.cancel()
@@ -145,7 +150,11 @@ class StreamAccumulator:
             and isinstance(obj.get("item"), dict)
             and isinstance(index, int)
         ):
-            item_json = json.dumps(obj["item"], separators=(",", ":")).encode()
+            item = obj["item"]
+            if item.get("type") == "function_call" and not item.get("arguments") and self._deltas.get(index):
+                # arguments were streamed as deltas and the done event left them out (case B07 a)
+                item = obj["item"] = {**item, "arguments": "".join(self._deltas[index])}
+            item_json = json.dumps(item, separators=(",", ":")).encode()
             charge = self.ledger.admit_accumulated(item_json)
             self.ledger.release(self._delta_charges.pop(index, 0) + self._item_charges.pop(index, 0))
             self._deltas.pop(index, None)
@@ -160,8 +169,21 @@ class StreamAccumulator:
         """The round's output items: the terminal response's ``output`` when it carries one,
         else the finished items in ``output_index`` order."""
         if self.terminal is not None and isinstance(self.terminal.get("output"), list):
-            return [item for item in self.terminal["output"] if isinstance(item, dict)]
-        return [self.items[i] for i in sorted(self.items)]
+            items = [item for item in self.terminal["output"] if isinstance(item, dict)]
+            return [self._with_arguments(i, item) for i, item in enumerate(items)]
+        return [self._with_arguments(i, self.items[i]) for i in sorted(self.items)]
+
+    def _with_arguments(self, index: int, item: dict[str, Any]) -> dict[str, Any]:
+        """A function call whose ``arguments`` the terminal left null or empty gets them from its
+        finished item or its streamed deltas (case B07 a); never silently ``{}``."""
+        if item.get("type") != "function_call" or item.get("arguments"):
+            return item
+        done = self.items.get(index)
+        if done is not None and done.get("call_id") == item.get("call_id") and done.get("arguments"):
+            return {**item, "arguments": done["arguments"]}
+        if self._deltas.get(index):
+            return {**item, "arguments": "".join(self._deltas[index])}
+        return item
 
     def release_all(self) -> None:
         """Give back every charge this accumulator holds (the round's state is no longer kept)."""

@@ -392,7 +392,15 @@ class _SurrogateSafeTransport(httpx2.AsyncBaseTransport):
         response = await self._inner.handle_async_request(request)
         kind = response.headers.get("content-type", "").lower()
         encoding = response.headers.get("content-encoding", "identity").lower()
-        if encoding != "identity" or not kind.startswith(("application/json", "text/event-stream")):
+        if encoding != "identity":
+            # A compressed answer could inflate past every bound before a byte is checked: refuse it
+            # (the request asked for identity), failing only the MCP request it answers.
+            await response.aclose()
+            raise MessageTooLarge(
+                f"the MCP server sent Content-Encoding {encoding!r} though identity was asked for; "
+                "compressed answers are refused"
+            )
+        if not kind.startswith(("application/json", "text/event-stream")):
             return response
         assert isinstance(response.stream, httpx2.AsyncByteStream)
         return httpx2.Response(
@@ -437,7 +445,9 @@ async def open_session(
         timeout = httpx2.Timeout(connect_timeout, read=None)
         transport = _SurrogateSafeTransport(max_message_bytes)
         async with httpx2.AsyncClient(
-            headers=dict(endpoint.headers), timeout=timeout, transport=transport
+            headers={"accept-encoding": "identity", **dict(endpoint.headers)},
+            timeout=timeout,
+            transport=transport,
         ) as http:
             streams = streamable_http_client(
                 endpoint.url, http_client=http, max_sse_event_size=max_message_bytes

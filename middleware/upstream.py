@@ -19,7 +19,7 @@ from typing import Protocol
 import httpx
 
 from middleware import metrics
-from middleware.errors import GatewayError
+from middleware.errors import GatewayError, redact
 from middleware.request_id import REQUEST_ID
 
 # Never copied from upstream to client (hop-by-hop and framing headers; RFC 9110 §7.6.1).
@@ -80,10 +80,10 @@ class UpstreamIncomplete(UpstreamError):
 
 
 class UpstreamDecodeError(UpstreamError):
-    """The body could not be decoded (bad content encoding)."""
+    """The body could not be decoded, or came with a content encoding the gateway refuses."""
 
     kind = "decode"
-    code = "upstream_incomplete"
+    code = "upstream_invalid_response"
 
 
 class UpstreamResponse(Protocol):
@@ -151,7 +151,7 @@ class _HttpxResponse:
         self.headers: Mapping[str, str] = {k.lower(): v for k, v in response.headers.items()}
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        iterator = self._response.aiter_bytes()
+        iterator = self._response.aiter_raw()
         while True:
             try:
                 async with asyncio.timeout_at(self._deadline):
@@ -201,7 +201,12 @@ class HttpxUpstream:
             connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout
         )
         self._deadline = deadline
-        headers = {"content-type": "application/json", "user-agent": "loopwarden"}
+        # identity: a compressed body could inflate past every clamp before a byte is checked
+        headers = {
+            "content-type": "application/json",
+            "user-agent": "loopwarden",
+            "accept-encoding": "identity",
+        }
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
         self._client = httpx.AsyncClient(
@@ -238,6 +243,13 @@ class HttpxUpstream:
             ) from None
         except httpx.HTTPError as exc:
             raise _translate(exc, during="headers", timeouts=self._timeouts) from None
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            await response.aclose()
+            raise UpstreamDecodeError(
+                f"upstream sent Content-Encoding {encoding!r} though the gateway asked for identity; "
+                "compressed bodies are refused (they could inflate past the read clamps)"
+            )
         return _HttpxResponse(response, deadline, self._timeouts, started)
 
     async def aclose(self) -> None:
@@ -268,6 +280,7 @@ def upstream_status_error(status: int, body: bytes) -> GatewayError:
             param = err.get("param") if isinstance(err.get("param"), str) else None
         elif isinstance(err, str):
             message = err
+    message = redact(message)
     if status in (401, 403):
         return GatewayError(
             f"the upstream refused the gateway's credentials (HTTP {status}): {message}; "

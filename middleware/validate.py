@@ -66,6 +66,12 @@ def validate_request(request: dict[str, Any]) -> None:
         tools = request["tools"]
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise InvalidRequest("tools must be a list of tool objects", code="invalid_type", param="tools")
+        for i, tool in enumerate(tools):
+            for key in ("type", "name", "server_label", "server_url"):
+                if key in tool and tool[key] is not None and not isinstance(tool[key], str):
+                    raise InvalidRequest(
+                        f"tools[{i}].{key} must be a string", code="invalid_type", param="tools"
+                    )
     if (
         "metadata" in request
         and request["metadata"] is not None

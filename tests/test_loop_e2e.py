@@ -130,6 +130,9 @@ def upstream() -> Iterator[MockUpstream]:
 
 def loop_gateway(upstream: MockUpstream, mcp_url: str, **kw: Any) -> Any:
     kw.setdefault("mcp_server", (f"tools={mcp_url}",))
+    # The tool lists (seven tools here) are charged for every request that keeps them, so loop
+    # semantics are tested at 4 MiB; the budget cases (B19) pass the CASES.md 1 MiB themselves.
+    kw.setdefault("max_retained_bytes", 4 * 1048576)
     kw.setdefault("tool_timeout", 1.0)
     kw.setdefault("tool_concurrency", 2)
     return gateway(upstream, **kw)
@@ -456,7 +459,9 @@ def test_b19_huge_tool_result_is_502_buffered_and_never_reaches_upstream(
 ) -> None:
     LOG.big_result = "r" * (5 * 1024 * 1024)
     upstream.push(fc_reply(FC("call_q", "query_db", '{"sql":"select *"}')), final_reply())
-    with loop_gateway(upstream, mcp_url, tool_max_result_bytes=16 * 1024 * 1024, tool_timeout=20) as (url, _):
+    with loop_gateway(
+        upstream, mcp_url, tool_max_result_bytes=16 * 1024 * 1024, tool_timeout=20, max_retained_bytes=1048576
+    ) as (url, _):
         m = MetricDelta()
         r = httpx.post(
             url + "/v1/responses", json={"model": "m", "input": "x", "tools": [TOOLS_DECL]}, timeout=60
@@ -474,7 +479,9 @@ def test_b19_streamed_overflow_is_one_error_frame_after_the_mcp_call_events(
     upstream.push(
         Reply.sse(fc_stream(FC("call_q", "query_db", '{"sql":"select *"}'))), Reply.sse(text_stream("x"))
     )
-    with loop_gateway(upstream, mcp_url, tool_max_result_bytes=16 * 1024 * 1024, tool_timeout=20) as (url, _):
+    with loop_gateway(
+        upstream, mcp_url, tool_max_result_bytes=16 * 1024 * 1024, tool_timeout=20, max_retained_bytes=1048576
+    ) as (url, _):
         m = MetricDelta()
         r = httpx.post(
             url + "/v1/responses",
