@@ -241,10 +241,11 @@ class _Guard:
                     limit="client_body_timeout",
                 )
             ) from None
-        # Store is on unless the client says "store": false. The body is admitted as if it were on
-        # (the larger charge) before it is parsed, and re-admitted at the single rate once known.
+        # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
+        # the store doubles it (the persisted projection) is known only after parsing, so the
+        # doubled charge replaces the single one then — exact for both, and sound throughout.
         nodes = counter.nodes
-        ledger = Ledger(limits.max_retained_bytes, store=True, pool=self.reservation)
+        ledger = Ledger(limits.max_retained_bytes, store=False, pool=self.reservation)
         self.ledger = ledger
         try:
             ledger.admit_input(raw, nodes=nodes)
@@ -284,11 +285,16 @@ class _Guard:
             )
         self.model_label = route.name if route is not None else "other"
         store = request.get("store") is not False
-        if not store:
+        if store:
             ledger.release_all()
-            ledger = Ledger(limits.max_retained_bytes, store=False, pool=self.reservation)
+            ledger = Ledger(limits.max_retained_bytes, store=True, pool=self.reservation)
             self.ledger = ledger
-            ledger.admit_input(raw, nodes=nodes)
+            try:
+                ledger.admit_input(raw, nodes=nodes)
+            except BudgetExceeded as exc:
+                raise _Answered(_budget_error(exc, status=413)) from None
+            except PoolExhausted as exc:
+                raise _Answered(self._pool_error(exc, status=413)) from None
         if route is not None:
             limits = route.limits(limits)
             try:
