@@ -51,7 +51,7 @@ from middleware.stream import (
     StreamAccumulator,
     UpstreamEvent,
     invalid,
-    read_buffered_body,
+    read_response_object,
     read_stream_events,
 )
 from middleware.tools import ResolvedTools, ToolOutcome, run_tool_calls
@@ -204,6 +204,8 @@ class AgentLoop:
         )
         self.stitcher = StreamStitcher(self) if ctx.stream else None
         self.persisted = False
+        self._round_acc: StreamAccumulator | None = None
+        self._round_charge = 0
 
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -338,12 +340,22 @@ class AgentLoop:
             self.tool_calls_used += len(run)
             pending = approvals if isinstance(decision, RequiresClientAction) else []
             await self._record_round(output, run, outcomes, omitted, pending)
+            self._release_round()
             if isinstance(decision, Continue):
                 continue
             if isinstance(decision, Incomplete) and decision.reason == "max_tool_calls":
                 metrics.CAP_HITS.labels(limit="max_tool_calls", outcome="incomplete").inc()
             await self._finish(terminal, decision)
             return
+
+    def _release_round(self) -> None:
+        """Release what held the round's answer (its items are charged as kept state now)."""
+        if self._round_acc is not None:
+            self._round_acc.release_all()
+            self._round_acc = None
+        if self._round_charge:
+            self.ctx.ledger.release(self._round_charge)
+            self._round_charge = 0
 
     def _split_calls(
         self, output: Sequence[dict[str, Any]]
@@ -595,16 +607,9 @@ class AgentLoop:
     async def _round_buffered(
         self, response: UpstreamResponse
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        raw, charge = await read_buffered_body(response, self.ctx.ledger)
-        try:
-            parsed = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise invalid("upstream answered with a body that is not JSON") from None
-        if not isinstance(parsed, dict):
-            raise invalid("upstream answered with JSON that is not a response object")
-        output = parsed.get("output")
-        items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
-        self.ctx.ledger.release(charge)
+        answer = await read_response_object(response, self.ctx.ledger)
+        parsed, items = answer.parsed, answer.items
+        self._round_charge = answer.charge  # released once the round's kept items are recorded
         if self.stitcher is not None:  # a buffered answer to a streamed round: replay it as events
             await self.stitcher.synthesize(parsed, items)
         return parsed, items
@@ -633,7 +638,7 @@ class AgentLoop:
         # runs tools, whatever its "status" field says (DESIGN.md §6).
         status = TERMINAL_STATUS[acc.terminal_type or "response.completed"]
         terminal, output = {**acc.terminal, "status": status}, acc.output()
-        acc.release_all()
+        self._round_acc = acc  # released once the round's kept items are recorded
         return terminal, output
 
     async def _keepalive(self) -> None:

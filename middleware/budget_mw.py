@@ -245,14 +245,7 @@ class _Guard:
         # the store doubles it (the persisted projection) is known only after parsing, so the
         # doubled charge replaces the single one then — exact for both, and sound throughout.
         nodes = counter.nodes
-        ledger = Ledger(limits.max_retained_bytes, store=False, pool=self.reservation)
-        self.ledger = ledger
-        try:
-            ledger.admit_input(raw, nodes=nodes)
-        except BudgetExceeded as exc:
-            raise _Answered(_budget_error(exc, status=413)) from None
-        except PoolExhausted as exc:
-            raise _Answered(self._pool_error(exc, status=413)) from None
+        ledger = self._admit_body(limits, raw, nodes, store=False)
         try:
             request = loads_strict(raw)
         except JsonInvalid as exc:
@@ -287,14 +280,7 @@ class _Guard:
         store = request.get("store") is not False
         if store:
             ledger.release_all()
-            ledger = Ledger(limits.max_retained_bytes, store=True, pool=self.reservation)
-            self.ledger = ledger
-            try:
-                ledger.admit_input(raw, nodes=nodes)
-            except BudgetExceeded as exc:
-                raise _Answered(_budget_error(exc, status=413)) from None
-            except PoolExhausted as exc:
-                raise _Answered(self._pool_error(exc, status=413)) from None
+            ledger = self._admit_body(limits, raw, nodes, store=True)
         if route is not None:
             limits = route.limits(limits)
             try:
@@ -357,6 +343,18 @@ class _Guard:
                 )
             )
         return pool.admit(initial)
+
+    def _admit_body(self, limits: Limits, raw: bytes, nodes: int, *, store: bool) -> Ledger:
+        """A new ledger for the request with the body admitted (``admit_input``); 413 otherwise."""
+        ledger = Ledger(limits.max_retained_bytes, store=store, pool=self.reservation)
+        self.ledger = ledger
+        try:
+            ledger.admit_input(raw, nodes=nodes)
+        except BudgetExceeded as exc:
+            raise _Answered(_budget_error(exc, status=413)) from None
+        except PoolExhausted as exc:
+            raise _Answered(self._pool_error(exc, status=413)) from None
+        return ledger
 
     def _pool_error(self, exc: PoolExhausted, *, status: int) -> GatewayError:
         return GatewayError(

@@ -29,8 +29,7 @@ from middleware.stream import (
     TERMINAL_EVENTS,
     StreamAccumulator,
     UpstreamEvent,
-    invalid,
-    read_buffered_body,
+    read_response_object,
     read_stream_events,
 )
 from middleware.upstream import UpstreamResponse, upstream_status_error
@@ -98,19 +97,9 @@ class _Exchange:
 
     # -- buffered ------------------------------------------------------------------------------
     async def _read_buffered(self, response: UpstreamResponse) -> tuple[bytes, dict[str, Any]]:
-        """The upstream's JSON body and its parse; the body's charge is exchanged for the kept output."""
-        body, charge = await read_buffered_body(response, self.ctx.ledger)
-        try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):
-            raise invalid("upstream answered with a body that is not JSON") from None
-        if not isinstance(parsed, dict):
-            raise invalid("upstream answered with JSON that is not a response object")
-        output = parsed.get("output")
-        kept = json.dumps(output if isinstance(output, list) else [], separators=(",", ":")).encode()
-        self.ctx.ledger.admit_accumulated(kept)
-        self.ctx.ledger.release(charge)
-        return body, parsed
+        """The upstream's JSON body and its parse (its output stays charged for the request)."""
+        answer = await read_response_object(response, self.ctx.ledger)
+        return answer.body, answer.parsed
 
     async def _synthesize_stream(self, response: dict[str, Any]) -> None:
         """The SSE events of a complete response object: created, each item added and done, the

@@ -230,3 +230,34 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
         ledger.release(charge)
         raise
     return b"".join(parts), charge
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseBody:
+    """A buffered upstream answer: its ``body`` bytes, the ``parsed`` response object, its output
+    ``items``, and ``charge`` — what keeping those items costs (the body's own charge is released)."""
+
+    body: bytes
+    parsed: dict[str, Any]
+    items: list[dict[str, Any]]
+    charge: int
+
+
+async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> ResponseBody:
+    """Read and parse a buffered upstream response object under the ledger (`read_buffered_body`),
+    then exchange the body's charge for the kept output items' (admitted first, DESIGN.md §4).
+
+    Raises 502 ``upstream_invalid_response`` for a body that is not a JSON object.
+    """
+    body, body_charge = await read_buffered_body(response, ledger)
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        raise invalid("upstream answered with a body that is not JSON") from None
+    if not isinstance(parsed, dict):
+        raise invalid("upstream answered with JSON that is not a response object")
+    output = parsed.get("output")
+    items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
+    kept = ledger.admit_accumulated(json.dumps(items, separators=(",", ":")).encode())
+    ledger.release(body_charge)
+    return ResponseBody(body, parsed, items, kept)
