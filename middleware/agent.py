@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from starlette.types import Send
 
-from budget import BudgetExceeded
+from budget import BudgetExceeded, ChargeModel, count_json_nodes
 from middleware import metrics
 from middleware.context import RequestContext
 from middleware.errors import GatewayError, InvalidRequest, redact
@@ -58,6 +58,7 @@ from middleware.tools import ResolvedTools, ToolOutcome, run_tool_calls
 from middleware.upstream import UpstreamError, UpstreamResponse, upstream_status_error
 
 T = TypeVar("T")
+LISTING_MODEL = ChargeModel.cpython()  # charges the MCP tool listings a request holds
 log = logging.getLogger("loopwarden")
 TERMINAL_STATUS = {
     "response.completed": "completed",
@@ -153,6 +154,13 @@ def public_tools(tools: Any) -> list[Any]:
     return out
 
 
+def call_arguments(call: dict[str, Any]) -> str:
+    """A call's ``arguments`` as re-emitted to the client: valid JSON text (``"{}"`` for a
+    parameterless call whose upstream sent ``""`` or null, case B07)."""
+    arguments = call.get("arguments")
+    return arguments if isinstance(arguments, str) and arguments.strip() else "{}"
+
+
 def mcp_call_item(
     call: dict[str, Any], outcome: ToolOutcome, server_label: str, name: str, item_id: str
 ) -> dict[str, Any]:
@@ -162,7 +170,7 @@ def mcp_call_item(
         "id": item_id,
         "server_label": server_label,
         "name": name,
-        "arguments": call.get("arguments") if isinstance(call.get("arguments"), str) else "{}",
+        "arguments": call_arguments(call),
         "output": outcome.output if outcome.error is None else None,
         "error": None,
         "status": "completed" if outcome.error is None else "failed",
@@ -236,9 +244,17 @@ class AgentLoop:
     async def _prepare(self) -> None:
         """Charge the tool lists, restore stored history, check call pairing, and settle answered
         approvals (B03, B05)."""
-        if self.resolved.list_items:  # what tools/list brought in is kept for every round
-            kept = [self.resolved.list_items, self.resolved.upstream_tools]
-            self.ctx.ledger.admit_accumulated(json.dumps(kept, separators=(",", ":")).encode())
+        if self.resolved.list_items:
+            # What tools/list brought in is held (as parsed objects) for every round. It is charged
+            # at the calibrated CPython rates (sound: budget tests measure them with tracemalloc),
+            # not the reference multipliers, which would price an ordinary 8-tool server out of a
+            # 1 MiB request; a 3000-tool listing is still refused before any upstream call.
+            listed = json.dumps(self.resolved.list_items, separators=(",", ":")).encode()
+            charge = LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), self.ctx.store)
+            try:
+                self.ctx.ledger.reserve(charge)
+            except BudgetExceeded as exc:
+                raise BudgetExceeded("accumulated", exc.requested, exc.charged, exc.limit) from None
         store = self.state.store
         if store is not None:
             self.restored = await restore_history(self.request, store, self.ctx.owner, self.ctx.ledger)
@@ -498,7 +514,7 @@ class AgentLoop:
                 "id": approval_id(str(call.get("call_id"))),
                 "server_label": tool.server_label,
                 "name": tool.name,
-                "arguments": call.get("arguments") if isinstance(call.get("arguments"), str) else "{}",
+                "arguments": call_arguments(call),
             }
             self.items.append(request)
             if self.stitcher is not None:
@@ -822,7 +838,7 @@ class StreamStitcher:
             "id": item_id,
             "server_label": tool.server_label,
             "name": tool.name,
-            "arguments": call.get("arguments") if isinstance(call.get("arguments"), str) else "{}",
+            "arguments": call_arguments(call),
             "status": "in_progress",
         }
         await self._emit(

@@ -252,6 +252,8 @@ class _Guard:
             param = exc.param
             if exc.code == "invalid_number" and param is None:
                 param = nonfinite_number_path(raw)
+            elif exc.code == "invalid_unicode" and param is None:
+                param = undecodable_field(raw)
             raise _Answered(InvalidRequest(exc.message, code=exc.code, param=param)) from None
         if not isinstance(request, dict):
             raise _Answered(
@@ -535,6 +537,35 @@ def nonfinite_number_path(raw: bytes) -> str | None:
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
     return None
+
+
+def undecodable_field(raw: bytes) -> str | None:
+    """The top-level field whose value holds the first byte that is not UTF-8 (``input``), found
+    with a lenient parse; None when it cannot be told. Only called on the error path."""
+    try:
+        root = json.loads(raw.decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(root, dict):
+        return None
+    for key, value in root.items():
+        if _has_escape(value):
+            return str(key)
+    return None
+
+
+def _has_escape(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and any("\udc80" <= ch <= "\udcff" for ch in item):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def vars_of(limits: Limits) -> dict[str, int]:

@@ -262,7 +262,7 @@ def test_b25d_pipelined_extra_bytes_are_not_parsed_as_the_body(upstream: MockUps
     [
         (b'{"model":"m","input":"emoji \\ud83d"}', "input"),
         (b'{"model":"m","input":"x \\ude00 y"}', "input"),
-        (b'{"model":"m","input":"bad \xff"}', None),
+        (b'{"model":"m","input":"bad \xff"}', "input"),
     ],
 )
 def test_b21_invalid_unicode_is_400(upstream: MockUpstream, body: bytes, param: str | None) -> None:
