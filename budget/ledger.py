@@ -180,8 +180,16 @@ class Ledger:
         The retained part stays until `release_stream_bytes` is called for those bytes. Not
         multiplied by store. Phase ``stream``.
         """
-        m, n = self._model, len(raw)
-        return self._commit("stream", m.stream_retained_charge(n), m.stream_chunk_need(n))
+        return self.admit_stream_bytes(len(raw))
+
+    def admit_stream_bytes(self, nbytes: int, *, transient: bool = True) -> int:
+        """`admit_stream_chunk` by size: retains ``32*nbytes``; with ``transient`` the parse's
+        ``16*nbytes`` peak must also fit (``48*nbytes`` in all), without it only the retained
+        part. Charging whole frames this way makes the outcome independent of how the stream was
+        split into reads. Phase ``stream``."""
+        m, n = self._model, _size("nbytes", nbytes)
+        retained = m.stream_retained_charge(n)
+        return self._commit("stream", retained, m.stream_chunk_need(n) if transient else retained)
 
     def release_stream_bytes(self, nbytes: int) -> int:
         """A frame completed: ``nbytes`` wire bytes left the parser buffer. Releases

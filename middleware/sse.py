@@ -5,8 +5,12 @@ events completed by them. Line ends may be LF, CR or CRLF (a CRLF split across t
 line end); comment lines (``:``…), ``id:`` and ``retry:`` fields are ignored (the gateway emits
 neither); a block without ``data`` dispatches nothing; several ``data:`` lines join with ``\\n``.
 `pending` is the number of raw bytes held that belong to no completed event yet (what the ledger
-charges as retained stream bytes). Data stays bytes (``json.loads`` validates its UTF-8); an event
-name that is not UTF-8 raises `SSEDecodeError`.
+charges as retained stream bytes), and each event carries ``raw_len``: the wire bytes it took since
+the previous event (comments and meta-only blocks before it included) — the same whatever the
+chunking, so charges made per event do not depend on how the stream was read. A CR at the very end
+of a chunk is held until the next byte shows whether it starts a CRLF (`flush` at end of stream
+settles it). Data stays bytes (``json.loads`` validates its UTF-8); an event name that is not UTF-8
+raises `SSEDecodeError`.
 """
 
 from __future__ import annotations
@@ -23,55 +27,63 @@ class SSEDecodeError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SSEEvent:
-    """One dispatched event: ``event`` (its name, "message" when absent) and ``data`` (the raw
-    UTF-8 bytes of its data lines joined by ``\n``; validated as UTF-8 when it is decoded)."""
+    """One dispatched event: ``event`` (its name, "message" when absent), ``data`` (the raw UTF-8
+    bytes of its data lines joined by ``\n``; validated as UTF-8 when it is decoded) and
+    ``raw_len`` (the wire bytes it took, see the module docstring)."""
 
     event: str
     data: bytes
+    raw_len: int = 0
 
 
 class SSEParser:
     """Stateful WHATWG event-stream parser; feed bytes, get `SSEEvent`s."""
 
-    __slots__ = ("_buf", "_data", "_data_bytes", "_event", "_skip_lf")
+    __slots__ = ("_buf", "_consumed", "_data", "_event")
 
     def __init__(self) -> None:
-        self._buf = b""  # bytes of an unfinished line
-        self._skip_lf = False  # last chunk ended in CR: a leading LF is that line end's second half
+        self._buf = b""  # bytes of an unfinished line (or a CR that may start a CRLF)
+        self._consumed = 0  # raw bytes of the lines taken since the last dispatched event
         self._event = ""
         self._data: list[bytes] = []
-        self._data_bytes = 0
 
     @property
     def pending(self) -> int:
-        """Raw bytes held for events not yet complete (partial line plus the current block's data)."""
-        return len(self._buf) + self._data_bytes
+        """Raw bytes held for no completed event yet (the partial line and the lines taken since
+        the last dispatched event)."""
+        return len(self._buf) + self._consumed
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Consume `chunk`; return the events it completes, in order. Raises SSEDecodeError."""
-        if self._skip_lf and chunk:
-            self._skip_lf = False
-            if chunk[:1] == b"\n":
-                chunk = chunk[1:]
         data = self._buf + chunk if self._buf else chunk
+        # A trailing CR may be the first half of a CRLF whose LF is in the next chunk: keep it.
+        end = len(data) - 1 if data.endswith(b"\r") else len(data)
         events: list[SSEEvent] = []
         pos = 0
-        for match in _LINE_END.finditer(data):
-            end = match.end()
-            if match.group() == b"\r" and end == len(data):
-                self._skip_lf = True  # CR at the very end: an LF may follow in the next chunk
+        for match in _LINE_END.finditer(data, 0, end):
             self._line(data[pos : match.start()], events, match.end() - pos)
-            pos = end
+            pos = match.end()
         self._buf = data[pos:]
         return events
 
+    def flush(self) -> list[SSEEvent]:
+        """End of stream: a held trailing CR ends its line (which may complete an event). An
+        event left without its blank line is discarded, as the spec says."""
+        events: list[SSEEvent] = []
+        if self._buf.endswith(b"\r"):
+            line, self._buf = self._buf[:-1], b""
+            self._line(line, events, len(line) + 1)
+        self._buf = b""
+        return events
+
     def _line(self, line: bytes, events: list[SSEEvent], raw_len: int) -> None:
+        self._consumed += raw_len
         if not line:
             if self._data:
-                events.append(SSEEvent(self._event or "message", b"\n".join(self._data)))
+                events.append(SSEEvent(self._event or "message", b"\n".join(self._data), self._consumed))
+                self._consumed = 0
             self._event = ""
             self._data = []
-            self._data_bytes = 0
             return
         if line[:1] == b":":
             return
@@ -80,20 +92,12 @@ class SSEParser:
             value = value[1:]
         if name == b"data":
             self._data.append(value)
-            self._data_bytes += raw_len
         elif name == b"event":
             try:
                 self._event = value.decode("utf-8")
             except UnicodeDecodeError:
                 raise SSEDecodeError(f"upstream SSE event name is not valid UTF-8: {line[:80]!r}") from None
         # id, retry and unknown fields are ignored: the gateway never re-emits them.
-
-    def finish(self) -> None:
-        """End of stream: an unterminated block is discarded, as the spec says. Returns nothing."""
-        self._buf = b""
-        self._event = ""
-        self._data = []
-        self._data_bytes = 0
 
 
 def encode_event(event: str, data: bytes) -> bytes:

@@ -22,7 +22,7 @@ from typing import Any
 
 from budget import JsonNodeCounter, JsonTooDeep, Ledger
 from middleware.errors import GatewayError
-from middleware.sse import SSEDecodeError, SSEParser
+from middleware.sse import SSEDecodeError, SSEEvent, SSEParser
 from middleware.upstream import UpstreamResponse
 
 EVENT_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # what may be written into an `event:` line
@@ -68,8 +68,11 @@ async def read_stream_events(
     parser = SSEParser()
     chunks = response.chunks()
     pending: asyncio.Future[bytes] | None = None
+    held = 0  # retained charge for the bytes of the incomplete frame (32 x parser.pending)
+    frame = 0  # retained charge for the frame being handed out
+    ended = False
     try:
-        while True:
+        while not ended:
             pending = asyncio.ensure_future(anext(chunks))
             while keepalive is not None:
                 done, _ = await asyncio.wait({pending}, timeout=keepalive_interval)
@@ -78,44 +81,60 @@ async def read_stream_events(
                 await keepalive()
             try:
                 chunk = await pending
+                pieces = [chunk[offset : offset + SLICE] for offset in range(0, len(chunk), SLICE)]
             except StopAsyncIteration:
-                return
+                ended, pieces = True, [b""]  # end of stream: settle a held CR
             finally:
                 pending = None
-            for offset in range(0, len(chunk), SLICE):
-                piece = chunk[offset : offset + SLICE]
-                before = parser.pending
-                ledger.admit_stream_chunk(piece)
+            for piece in pieces:
                 try:
-                    events = parser.feed(piece)
+                    events = parser.feed(piece) if piece else parser.flush()
                 except SSEDecodeError as exc:
                     raise incomplete(str(exc)) from None
-                ledger.release_stream_bytes(before + len(piece) - parser.pending)
                 for event in events:
-                    data = event.data
-                    if not data.strip() or data == b"[DONE]":
-                        continue
-                    ledger.check_stream_frame(data)
-                    try:
-                        obj = json.loads(data)
-                    except UnicodeDecodeError:
-                        raise incomplete("upstream SSE data is not valid UTF-8") from None
-                    except (ValueError, RecursionError):
-                        raise invalid(f"upstream SSE data is not JSON: {data[:80]!r}") from None
-                    if not isinstance(obj, dict):
-                        raise invalid("upstream SSE data is not a JSON object")
-                    kind = obj.get("type")
-                    kind = kind if isinstance(kind, str) else event.event
-                    if not EVENT_TYPE.fullmatch(kind):
-                        raise invalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
-                    yield UpstreamEvent(kind, data, obj)
+                    # Charged per whole frame (its partial charge released first): the same
+                    # checks, in the same order, however the stream was split into reads.
+                    ledger.release(held)
+                    held = 0
+                    frame = ledger.admit_stream_bytes(event.raw_len)
+                    upstream_event = _decode(event, ledger)
+                    if upstream_event is not None:
+                        yield upstream_event
+                    ledger.release(frame)
+                    frame = 0
+                ledger.release(held)
+                held = 0
+                held = ledger.admit_stream_bytes(parser.pending, transient=False)
     finally:
+        ledger.release(held + frame)  # what the parser held is gone with it
         if pending is not None:
             pending.cancel()
             with contextlib.suppress(BaseException):
                 await pending
         with contextlib.suppress(Exception):
             await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
+    """One dispatched SSE event as an `UpstreamEvent` (its parse checked against the ledger), or
+    None for what carries nothing (empty data, ``[DONE]``)."""
+    data = event.data
+    if not data.strip() or data == b"[DONE]":
+        return None
+    ledger.check_stream_frame(data)
+    try:
+        obj = json.loads(data)
+    except UnicodeDecodeError:
+        raise incomplete("upstream SSE data is not valid UTF-8") from None
+    except (ValueError, RecursionError):
+        raise invalid(f"upstream SSE data is not JSON: {data[:80]!r}") from None
+    if not isinstance(obj, dict):
+        raise invalid("upstream SSE data is not a JSON object")
+    kind = obj.get("type")
+    kind = kind if isinstance(kind, str) else event.event
+    if not EVENT_TYPE.fullmatch(kind):
+        raise invalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
+    return UpstreamEvent(kind, data, obj)
 
 
 class StreamAccumulator:

@@ -16,12 +16,19 @@ from hypothesis import strategies as st
 from middleware.sse import SSEDecodeError, SSEEvent, SSEParser, encode_event
 
 
-def parse(chunks: list[bytes]) -> list[SSEEvent]:
+def parse_full(chunks: list[bytes]) -> list[SSEEvent]:
+    """Every event of a stream fed in `chunks`, the end of stream included (`flush`)."""
     parser = SSEParser()
     out: list[SSEEvent] = []
     for chunk in chunks:
         out.extend(parser.feed(chunk))
+    out.extend(parser.flush())
     return out
+
+
+def parse(chunks: list[bytes]) -> list[SSEEvent]:
+    """The events as (name, data) only: `raw_len` is checked on its own below."""
+    return [SSEEvent(e.event, e.data) for e in parse_full(chunks)]
 
 
 def frame(t: str, obj: object, nl: str = "\n") -> bytes:
@@ -53,7 +60,7 @@ def test_b09_crlf_split_across_chunks_is_one_line_end() -> None:
     first = parser.feed(stream[:cut])
     assert first == []  # no premature dispatch: the event is not complete yet
     rest = parser.feed(stream[cut:])
-    assert first + rest == WANT
+    assert [SSEEvent(e.event, e.data) for e in first + rest] == WANT
     assert parser.pending == 0  # the buffer is emptied after each event
 
 
@@ -124,6 +131,7 @@ def test_unterminated_block_is_not_dispatched() -> None:
     parser = SSEParser()
     assert parser.feed(b"data: {}\n") == []
     assert parser.pending > 0
+    assert parser.flush() == []
 
 
 def test_encode_event_round_trips_multiline() -> None:
@@ -141,3 +149,22 @@ def test_any_chunking_yields_the_same_events(nl: str, cuts: list[int], noise: li
     points = sorted({c % (len(stream) + 1) for c in cuts})
     chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
     assert parse(chunks) == WANT
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nl=st.sampled_from(["\n", "\r\n", "\r"]),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=30),
+    noise=st.lists(st.sampled_from([b":\n\n", b": c\n", b"retry: 1\n\n", b"id: 2\n\n"]), max_size=4),
+)
+def test_raw_lengths_cover_the_stream_whatever_the_chunking(
+    nl: str, cuts: list[int], noise: list[bytes]
+) -> None:
+    """Each event's raw_len is the wire bytes since the previous event: they add up to the stream
+    and do not depend on the chunking (the ledger charges frames by them)."""
+    stream = b"".join(noise) + b"".join(frame(t, o, nl) for t, o in REFERENCE)
+    points = sorted({c % (len(stream) + 1) for c in cuts})
+    chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
+    whole = [e.raw_len for e in parse_full([stream])]
+    assert [e.raw_len for e in parse_full(chunks)] == whole
+    assert sum(whole) == len(stream)
