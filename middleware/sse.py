@@ -42,7 +42,10 @@ class SSEParser:
     __slots__ = ("_buf", "_consumed", "_data", "_event")
 
     def __init__(self) -> None:
-        self._buf = b""  # bytes of an unfinished line (or a CR that may start a CRLF)
+        # The unfinished line (no line end inside it, but perhaps a trailing CR that may start a
+        # CRLF). A bytearray appended in place and scanned only from its new bytes, so a long
+        # line fed in many chunks costs O(n), not O(n^2).
+        self._buf = bytearray()
         self._consumed = 0  # raw bytes of the lines taken since the last dispatched event
         self._event = ""
         self._data: list[bytes] = []
@@ -55,15 +58,18 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Consume `chunk`; return the events it completes, in order. Raises SSEDecodeError."""
-        data = self._buf + chunk if self._buf else chunk
+        buf = self._buf
+        scan_from = max(len(buf) - 1, 0)  # a held CR may pair with the first new byte
+        buf += chunk
         # A trailing CR may be the first half of a CRLF whose LF is in the next chunk: keep it.
-        end = len(data) - 1 if data.endswith(b"\r") else len(data)
+        end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)
         events: list[SSEEvent] = []
         pos = 0
-        for match in _LINE_END.finditer(data, 0, end):
-            self._line(data[pos : match.start()], events, match.end() - pos)
+        for match in _LINE_END.finditer(buf, scan_from, end):
+            self._line(bytes(buf[pos : match.start()]), events, match.end() - pos)
             pos = match.end()
-        self._buf = data[pos:]
+        if pos:
+            del buf[:pos]
         return events
 
     def flush(self) -> list[SSEEvent]:
@@ -71,9 +77,9 @@ class SSEParser:
         event left without its blank line is discarded, as the spec says."""
         events: list[SSEEvent] = []
         if self._buf.endswith(b"\r"):
-            line, self._buf = self._buf[:-1], b""
+            line = bytes(self._buf[:-1])
             self._line(line, events, len(line) + 1)
-        self._buf = b""
+        self._buf.clear()
         return events
 
     def _line(self, line: bytes, events: list[SSEEvent], raw_len: int) -> None:

@@ -168,3 +168,27 @@ def test_raw_lengths_cover_the_stream_whatever_the_chunking(
     whole = [e.raw_len for e in parse_full([stream])]
     assert [e.raw_len for e in parse_full(chunks)] == whole
     assert sum(whole) == len(stream)
+
+
+def test_a_long_line_in_many_chunks_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear, not quadratic: each byte is searched for line ends about once however many chunks
+    a 1 MiB line arrives in (a quadratic parser blocked the event loop for seconds)."""
+    import re
+
+    import middleware.sse as sse
+
+    scanned = [0]
+
+    class Counting:
+        def finditer(self, buf: bytes, pos: int = 0, endpos: int = -1) -> object:
+            scanned[0] += (len(buf) if endpos < 0 else endpos) - pos
+            return re.compile(rb"\r\n|\r|\n").finditer(buf, pos, len(buf) if endpos < 0 else endpos)
+
+    monkeypatch.setattr(sse, "_LINE_END", Counting())
+    stream = b"data: " + b"y" * (1 << 20) + b"\n\n"
+    parser = SSEParser()
+    events = []
+    for i in range(0, len(stream), 4096):
+        events += parser.feed(stream[i : i + 4096])
+    assert [len(e.data) for e in events] == [1 << 20]
+    assert scanned[0] <= 2 * len(stream)
