@@ -1,0 +1,1356 @@
+"""loopwarden against direct upstream, bare pass-through proxies and LiteLLM (a script, not a test).
+
+Usage: ``python bench/run.py [--quick] [--litellm PATH] [--no-litellm] [--json FILE]``
+
+Starts, each in its own process on loopback (`bench/upstream.py`, `bench/proxy_bare.py`,
+`bench/gateway.py`, `bench/mcp_server.py`, LiteLLM's proxy if found):
+
+* the scripted upstream and the MCP server, pinned with the load generator (this process) to core 0;
+* a bare Starlette + httpx proxy, a bare Starlette + aiohttp proxy, loopwarden
+  (``Settings(upstream=..., store="memory")``, default limits, the MCP server configured), loopwarden
+  with ``store="sqlite:///<tmp>"``, loopwarden with ``max_retained_bytes`` = 256 MiB (only for the
+  1 MiB stream, which the default 64 MiB refuses by design) and LiteLLM, each pinned to core 1.
+
+Then drives each with a bounded aiohttp client (``c`` workers on ``c`` keep-alive connections;
+every burst is bounded in seconds and in requests), interleaving the targets rep by rep so that
+the ratios are measured side by side, and prints:
+
+* throughput (completed requests/s), p50 / p99 latency, the server process's CPU per request, and
+  ratios against direct upstream and against the bare aiohttp proxy — buffered single round,
+  streamed 100 events, streamed 1 MiB of text; concurrency 1 and 16;
+* time to first event (p50) for the streams;
+* a three-round loop with an MCP tool (two tool calls) through loopwarden, next to the same loop
+  run by the client itself against direct upstream and the bare aiohttp proxy (a persistent MCP
+  session per worker), and the cost of one MCP call on a persistent and on a fresh session;
+* memory: peak RSS growth per in-flight maximum-size request against its ledger charge;
+* the issue-8 targets, met or not.
+
+``--quick`` is a smoke run (under a minute); the default full run takes 6-8 minutes. Only ratios
+from one run mean anything: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PY = sys.executable
+MIB = 1024 * 1024
+MASTER_KEY = "sk-bench-7f3a9c1e5b2d4f6a8c0e1b3d5f7a9c2e"
+MCP_TOOLS = [{"type": "mcp", "server_label": "tools", "require_approval": "never"}]
+LOOKUP_FN = {
+    "type": "function",
+    "name": "lookup",
+    "description": "Look something up.",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+}
+COMPLETED = b"response.completed"
+ERROR_MARKERS = (b"event: error", b'"type":"error"', b'"type": "error"')
+REQUEST_TIMEOUT = 60.0
+
+
+# -- machine ------------------------------------------------------------------------------------
+def machine_description() -> str:
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem = ""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / MIB:.0f} GiB RAM"
+    versions = []
+    for name in ("starlette", "uvicorn", "httpx", "aiohttp", "h11"):
+        with contextlib.suppress(Exception):
+            from importlib.metadata import version
+
+            versions.append(f"{name} {version(name)}")
+    with contextlib.suppress(Exception):
+        import importlib.util
+
+        for opt in ("httptools", "uvloop"):
+            versions.append(f"{opt} {'installed' if importlib.util.find_spec(opt) else 'absent'}")
+    commit = "unknown"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "middleware", "budget"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        commit = head + (" + uncommitted changes in middleware/ or budget/" if dirty else "")
+    return (
+        f"loopwarden at {commit}\n"
+        f"machine: {os.cpu_count()} cores ({model}){mem}; {platform.system()} {platform.release()}; "
+        f"Python {platform.python_version()} ({platform.python_implementation()})\n"
+        f"         {', '.join(versions)}"
+    )
+
+
+# -- processes ----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all threads), seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclasses.dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str  # base URL including /v1 for HTTP targets
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class Processes:
+    """Every process this run starts; all stopped (by pid) on exit."""
+
+    def __init__(self, workdir: Path, pin: bool) -> None:
+        self.workdir = workdir
+        self.pin = pin
+        self.servers: list[Server] = []
+
+    def start(
+        self, name: str, argv: list[str], core: int, url: str, env: dict[str, str] | None = None
+    ) -> Server:
+        log = self.workdir / f"{name.replace(' ', '_').replace('/', '_')}.log"
+        prefix = ["taskset", "-c", str(core)] if self.pin else []
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                prefix + argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        server = Server(name, proc, url, log)
+        self.servers.append(server)
+        return server
+
+    def stop(self, server: Server) -> None:
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGINT)
+            try:
+                server.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                server.proc.kill()
+                server.proc.wait(timeout=5)
+        if server in self.servers:
+            self.servers.remove(server)
+
+    def stop_all(self) -> None:
+        for server in list(reversed(self.servers)):
+            self.stop(server)
+
+
+async def wait_ready(server: Server, path: str, timeout: float = 60.0) -> None:
+    """Poll ``GET base+path`` until it answers (any status below 500)."""
+    base = server.url.removesuffix("/v1")
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            if server.proc.poll() is not None:
+                tail = server.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{tail}")
+            with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                async with session.get(base + path, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status < 500:
+                        return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server.name} not ready after {timeout} s (log: {server.log})")
+            await asyncio.sleep(0.1)
+
+
+def find_litellm(explicit: str | None) -> str | None:
+    candidates = [
+        explicit,
+        os.environ.get("LITELLM_BIN"),
+        shutil.which("litellm"),
+        str(Path(PY).parent / "litellm"),
+        "/tmp/litellm-venv/bin/litellm",
+    ]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def litellm_config(upstream: str, path: Path) -> None:
+    lines = ["model_list:"]
+    for model in ("small", "text1mb", "tools3"):
+        lines += [
+            f"  - model_name: {model}",
+            "    litellm_params:",
+            f"      model: openai/{model}",
+            f"      api_base: {upstream}",
+            "      api_key: sk-upstream",
+        ]
+    lines += ["general_settings:", f"  master_key: {MASTER_KEY}", "litellm_settings:", "  drop_params: true"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+# -- targets and scenarios ----------------------------------------------------------------------
+@dataclasses.dataclass
+class Target:
+    name: str
+    server: Server
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    store: bool | None = False  # the request's "store" field (None: omitted, i.e. on)
+
+    @property
+    def url(self) -> str:
+        return self.server.url + "/responses"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    model: str
+    stream: bool
+
+
+SCENARIOS = [
+    Scenario("buffered", "small", False),
+    Scenario("stream100", "small", True),
+    Scenario("stream1mb", "text1mb", True),
+]
+
+
+def request_body(model: str, stream: bool, store: bool | None, **extra: Any) -> bytes:
+    body: dict[str, Any] = {"model": model, "input": "Say hello.", "stream": stream}
+    if store is not None:
+        body["store"] = store
+    body.update(extra)
+    return json.dumps(body).encode()
+
+
+# -- the load generator -------------------------------------------------------------------------
+@dataclasses.dataclass
+class Sample:
+    latency: float
+    ttfe: float | None
+    ok: bool
+    error: str = ""
+
+
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection of the load generator (asyncio streams, no framework):
+    far cheaper per request than an HTTP client library, so the load generator's own core is not
+    what limits the fastest targets. Decodes Content-Length and chunked bodies."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def post(
+        self, path: str, body: bytes, headers: dict[str, str], on_data: Callable[[bytes], None]
+    ) -> int:
+        """POST and feed the decoded body to `on_data` as it arrives; return the status."""
+        if self.writer is None:
+            await self.connect()
+        assert self.reader is not None and self.writer is not None
+        head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        head += f"content-length: {len(body)}\r\n\r\n"
+        self.writer.write(head.encode() + body)
+        reader = self.reader
+        raw_head = await reader.readuntil(b"\r\n\r\n")
+        lines = raw_head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        length: int | None = None
+        chunked = close = False
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "transfer-encoding" and "chunked" in value.lower():
+                chunked = True
+            elif name == "connection" and "close" in value.lower():
+                close = True
+        if chunked:
+            while True:
+                size_line = await reader.readuntil(b"\r\n")
+                size = int(size_line.split(b";", 1)[0], 16)
+                if size == 0:
+                    await reader.readuntil(b"\r\n")
+                    break
+                data = await reader.readexactly(size + 2)
+                on_data(data[:-2])
+        elif length is not None:
+            remaining = length
+            while remaining:
+                data = await reader.read(min(remaining, 1 << 20))
+                if not data:
+                    raise ConnectionError("connection closed mid-body")
+                remaining -= len(data)
+                on_data(data)
+        else:
+            while data := await reader.read(1 << 20):
+                on_data(data)
+            close = True
+        if close:
+            self.close()
+        return status
+
+
+class Client:
+    """``concurrency`` raw connections to one target, handed out one per request."""
+
+    def __init__(self, url: str, concurrency: int) -> None:
+        rest = url.split("://", 1)[1]
+        hostport, _, path = rest.partition("/")
+        host, _, port = hostport.partition(":")
+        self.path = "/" + path
+        self.free = [RawConnection(host, int(port)) for _ in range(concurrency)]
+
+    async def close(self) -> None:
+        for conn in self.free:
+            conn.close()
+
+    def reset(self) -> None:
+        """Drop every idle connection (servers close idle keep-alive connections after a few
+        seconds; each burst starts on fresh ones)."""
+        for conn in self.free:
+            conn.close()
+
+    async def post(self, body: bytes, headers: dict[str, str], on_data: Callable[[bytes], None]) -> int:
+        conn = self.free.pop()
+        try:
+            return await asyncio.wait_for(conn.post(self.path, body, headers, on_data), REQUEST_TIMEOUT)
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            self.free.append(conn)
+
+
+async def one_request(client: Client, body: bytes, headers: dict[str, str], stream: bool) -> Sample:
+    """One request; checks the answer (a completed response object, or a stream that reached
+    ``response.completed`` without an ``error`` event) and notes latency and time to first event."""
+    started = time.perf_counter()
+    state: dict[str, Any] = {
+        "tail": b"",
+        "ttfe": None,
+        "completed": False,
+        "failed": False,
+        "size": 0,
+        "buf": [] if not stream else None,
+    }
+
+    def on_data(chunk: bytes) -> None:
+        state["size"] += len(chunk)
+        if not stream:
+            state["buf"].append(chunk)
+            return
+        window = state["tail"] + chunk
+        if state["ttfe"] is None and b"data:" in window:
+            state["ttfe"] = time.perf_counter() - started
+        if not state["completed"] and COMPLETED in window:
+            state["completed"] = True
+        if not state["failed"] and any(m in window for m in ERROR_MARKERS):
+            state["failed"] = True
+        state["tail"] = window[-400:] if state["failed"] else window[-64:]
+
+    try:
+        status = await client.post(body, headers, on_data)
+    except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+        return Sample(time.perf_counter() - started, None, False, f"{type(exc).__name__}: {exc}")
+    latency = time.perf_counter() - started
+    if not stream:
+        data = b"".join(state["buf"])
+        ok = status == 200 and b'"status":"completed"' in data.replace(b'": "', b'":"')
+        return Sample(latency, None, ok, "" if ok else f"HTTP {status}: {data[-300:]!r}")
+    ok = status == 200 and state["completed"] and not state["failed"]
+    return Sample(latency, state["ttfe"], ok, "" if ok else f"HTTP {status}: {state['tail'][-300:]!r}")
+
+
+async def read_all(client: Client, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    parts: list[bytes] = []
+    status = await client.post(body, headers, parts.append)
+    return status, b"".join(parts)
+
+
+@dataclasses.dataclass
+class Burst:
+    samples: list[Sample]
+    elapsed: float
+    cpu: float  # server CPU seconds during the burst
+    cut: int = 0  # requests still running at the hard cap, cancelled (not counted)
+
+
+async def burst(
+    make: Callable[[Client], Awaitable[Sample]],
+    client: Client,
+    concurrency: int,
+    seconds: float,
+    max_requests: int,
+    pids: list[int],
+    hard_cap: float | None = None,
+) -> Burst:
+    """``concurrency`` workers issue requests until ``seconds`` pass or ``max_requests`` started;
+    requests still running ``hard_cap`` seconds after the start are cancelled and counted as cut."""
+    samples: list[Sample] = []
+    started = 0
+    client.reset()
+    cpu0 = sum(cpu_seconds(pid) for pid in pids)
+    t0 = time.perf_counter()
+    stop_at = t0 + seconds
+
+    async def worker() -> None:
+        nonlocal started
+        while time.perf_counter() < stop_at and started < max_requests:
+            started += 1
+            samples.append(await make(client))
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+    _, pending = await asyncio.wait(tasks, timeout=hard_cap or max(3 * seconds, seconds + 8))
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    elapsed = time.perf_counter() - t0
+    return Burst(samples, elapsed, sum(cpu_seconds(pid) for pid in pids) - cpu0, cut=len(pending))
+
+
+@dataclasses.dataclass
+class Cell:
+    """Every burst of one (scenario, concurrency, target)."""
+
+    bursts: list[Burst] = dataclasses.field(default_factory=list)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for b in self.bursts for s in b.samples]
+
+    @property
+    def ok(self) -> list[Sample]:
+        return [s for s in self.samples if s.ok]
+
+    @property
+    def errors(self) -> int:
+        return sum(1 for s in self.samples if not s.ok)
+
+    @property
+    def cut(self) -> int:
+        return sum(b.cut for b in self.bursts)
+
+    @property
+    def throughput(self) -> float:
+        elapsed = sum(b.elapsed for b in self.bursts)
+        return len(self.ok) / elapsed if elapsed else 0.0
+
+    def rep_throughputs(self) -> list[float]:
+        return [sum(1 for s in b.samples if s.ok) / b.elapsed for b in self.bursts if b.elapsed]
+
+    def pct(self, q: float, attr: str = "latency") -> float | None:
+        values = sorted(getattr(s, attr) for s in self.ok if getattr(s, attr) is not None)
+        if not values:
+            return None
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    @property
+    def cpu_per_request(self) -> float | None:
+        """Server CPU seconds per finished request, over the bursts that nothing was cut from."""
+        whole = [b for b in self.bursts if not b.cut]
+        n = sum(len(b.samples) for b in whole)
+        return sum(b.cpu for b in whole) / n if n else None
+
+    def first_error(self) -> str:
+        return next((s.error for s in self.samples if not s.ok), "")
+
+
+# -- the tool loop ------------------------------------------------------------------------------
+def completed_output(data: bytes, stream: bool) -> list[dict[str, Any]]:
+    """The output items of a buffered response object or of a stream's response.completed."""
+    if not stream:
+        return list(json.loads(data).get("output") or [])
+    for line in data.split(b"\n"):
+        if line.startswith(b"data:") and COMPLETED in line[:80]:
+            return list(json.loads(line[5:]).get("response", {}).get("output") or [])
+    raise ValueError("no response.completed in the stream")
+
+
+class McpPool:
+    """Persistent MCP client sessions, one per worker (the client-side loop's tool calls)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.stack = contextlib.AsyncExitStack()
+        self.free: list[Any] = []
+
+    async def open(self, n: int) -> None:
+        import mcp
+
+        for _ in range(n):
+            self.free.append(await self.stack.enter_async_context(mcp.Client(self.url, cache=None)))
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.stack.aclose()
+
+
+async def client_side_loop(client: Client, target: Target, stream: bool, pool: McpPool) -> Sample:
+    """The three-round loop run by the client itself: 3 inference calls, 2 MCP tool calls."""
+    started = time.perf_counter()
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Look it up twice."}]
+    mcp_client = pool.free.pop()
+    try:
+        for _ in range(3):
+            body = json.dumps(
+                {"model": "tools3", "input": items, "stream": stream, "store": False, "tools": [LOOKUP_FN]}
+            ).encode()
+            status, data = await read_all(client, body, target.headers)
+            if status != 200:
+                return Sample(time.perf_counter() - started, None, False, f"HTTP {status}: {data[:200]!r}")
+            calls = [i for i in completed_output(data, stream) if i.get("type") == "function_call"]
+            if not calls:
+                return Sample(time.perf_counter() - started, None, True)
+            for call in calls:
+                result = await mcp_client.call_tool(call["name"], json.loads(call["arguments"]))
+                text = "".join(getattr(c, "text", "") for c in result.content)
+                items += [call, {"type": "function_call_output", "call_id": call["call_id"], "output": text}]
+        return Sample(time.perf_counter() - started, None, False, "no final message after 3 rounds")
+    except Exception as exc:  # a benchmark sample, reported
+        return Sample(time.perf_counter() - started, None, False, f"{type(exc).__name__}: {exc}")
+    finally:
+        pool.free.append(mcp_client)
+
+
+async def mcp_call_costs(url: str, n: int) -> tuple[float, float]:
+    """p50 seconds of one ``tools/call``: on a persistent session, and on a fresh session each time
+    (connect, initialize, call, close — what loopwarden does once per round)."""
+    import mcp
+
+    persistent: list[float] = []
+    fresh: list[float] = []
+    async with mcp.Client(url, cache=None) as session:
+        await session.call_tool("lookup", {"q": "warm"})
+        for _ in range(n):
+            t = time.perf_counter()
+            await session.call_tool("lookup", {"q": "x"})
+            persistent.append(time.perf_counter() - t)
+    for _ in range(max(3, n // 3)):
+        t = time.perf_counter()
+        async with mcp.Client(url, cache=None) as session:
+            await session.call_tool("lookup", {"q": "x"})
+        fresh.append(time.perf_counter() - t)
+    return statistics.median(persistent), statistics.median(fresh)
+
+
+# -- memory -------------------------------------------------------------------------------------
+def metric_value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def get_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return await resp.text()
+
+
+@dataclasses.dataclass
+class MemoryResult:
+    label: str
+    payload_bytes: int
+    inflight: int
+    rss_per_request: float
+    charge_per_request: float | None
+    peak_charge_per_request: float | None
+    errors: int
+
+
+async def memory_phase(
+    procs: Processes,
+    label: str,
+    argv: list[str],
+    url_base: str,
+    body: bytes,
+    warm_body: bytes,
+    n: int,
+    hold: float,
+    is_gateway: bool,
+    payload: int | None = None,
+) -> MemoryResult:
+    """A fresh server; two warm-up requests; then ``n`` concurrent requests that the upstream holds
+    ``hold`` seconds. RSS is sampled every 5 ms; the in-flight ledger total is read mid-hold."""
+    server = procs.start(f"mem {label}", argv, 1, url_base)
+    try:
+        await wait_ready(server, "/healthz")
+        client = Client(url_base + "/responses", n)
+        metrics_url = url_base.removesuffix("/v1") + "/metrics"
+        try:
+            for _ in range(2):
+                await one_request(client, warm_body, {}, False)
+            await asyncio.sleep(0.3)
+            base = rss_bytes(server.pid)
+            before = await get_text(metrics_url) if is_gateway else ""
+            peak = base
+            charge: float | None = None
+            done = asyncio.Event()
+
+            async def sample_rss() -> None:
+                nonlocal peak
+                while not done.is_set():
+                    peak = max(peak, rss_bytes(server.pid))
+                    await asyncio.sleep(0.005)
+
+            async def sample_charge() -> None:
+                nonlocal charge
+                await asyncio.sleep(hold * 0.6)
+                charge = metric_value(await get_text(metrics_url), "loopwarden_inflight_retained_bytes")
+
+            sampler = asyncio.ensure_future(sample_rss())
+            charger = asyncio.ensure_future(sample_charge()) if is_gateway else None
+            results = await asyncio.gather(*(one_request(client, body, {}, False) for _ in range(n)))
+            done.set()
+            await sampler
+            if charger is not None:
+                await charger
+            peak_charge = None
+            if is_gateway:
+                after = await get_text(metrics_url)
+                total = metric_value(after, "loopwarden_retained_bytes_peak_sum") - metric_value(
+                    before, "loopwarden_retained_bytes_peak_sum"
+                )
+                count = metric_value(after, "loopwarden_retained_bytes_peak_count") - metric_value(
+                    before, "loopwarden_retained_bytes_peak_count"
+                )
+                peak_charge = total / count if count else None
+        finally:
+            await client.close()
+        errors = sum(1 for r in results if not r.ok)
+        if errors:
+            print(f"  [{label}] {errors} errors, e.g. {next(r.error for r in results if not r.ok)[:300]}")
+        return MemoryResult(
+            label,
+            payload or len(body),
+            n,
+            (peak - base) / n,
+            charge / n if charge is not None else None,
+            peak_charge,
+            errors,
+        )
+    finally:
+        procs.stop(server)
+
+
+def max_body(model: str, store: bool | None, margin: int = 48 * 1024, limit: int = 64 * MIB) -> bytes:
+    """The largest create body (one big ``input`` string) the default ledger admits, less `margin`
+    bytes for what the small answer adds. The middleware admits every body at the store-on rate
+    (64 x raw bytes + 512 x nodes) before it knows ``store``, whatever the request says."""
+    skeleton = request_body(model, False, store)
+    raw = (limit - 512 * 8) // 64 - margin
+    pad = raw - len(skeleton)
+    return skeleton.replace(b'"Say hello."', b'"' + b"x" * pad + b'"')
+
+
+# -- reporting ----------------------------------------------------------------------------------
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.2f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if not a or not b:
+        return "-"
+    return f"{a / b:.3f}"
+
+
+def print_table(title: str, rows: list[list[str]], header: list[str], left: int = 3) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print(f"\n{title}")
+    for row in [header, *rows]:
+        cells = [
+            str(c).ljust(w) if i < left else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  " + "  ".join(cells))
+
+
+# -- main ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Plan:
+    reps: int
+    seconds: float
+    warm: float
+    max_requests: int
+    loop_seconds: float
+    mem_hold: float
+    mem_inflight: int
+    memory_phases: tuple[str, ...]
+    sqlite: bool
+    hard_cap: float
+    slow_concurrencies: tuple[int, ...]  # for the 1 MiB stream and the MCP loop
+
+
+FULL = Plan(
+    reps=3,
+    seconds=2.0,
+    warm=0.4,
+    max_requests=20_000,
+    loop_seconds=2.0,
+    mem_hold=2.0,
+    mem_inflight=8,
+    memory_phases=("input", "input_store", "buffered_output", "bare"),
+    sqlite=True,
+    hard_cap=10.0,
+    slow_concurrencies=(1, 16),
+)
+QUICK = Plan(
+    reps=1,
+    seconds=0.4,
+    warm=0.1,
+    max_requests=5_000,
+    loop_seconds=0.5,
+    mem_hold=1.0,
+    mem_inflight=4,
+    memory_phases=("input",),
+    sqlite=False,
+    hard_cap=1.5,
+    slow_concurrencies=(1,),
+)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    plan = QUICK if args.quick else FULL
+    t_start = time.monotonic()
+    pin = (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
+    if pin:
+        os.sched_setaffinity(0, {0})
+    workdir = Path(tempfile.mkdtemp(prefix="loopwarden-bench-"))
+    procs = Processes(workdir, pin)
+    results: dict[str, Any] = {"machine": machine_description(), "cells": {}, "loop": {}, "memory": []}
+    print(results["machine"])
+    print(
+        f"mode: {'quick' if args.quick else 'full'}; load generator, upstream and MCP server on core 0, "
+        f"each server under test on core 1 (pinned: {pin}); logs in {workdir}",
+        flush=True,
+    )
+    try:
+        up_port, mcp_port = free_port(), free_port()
+        upstream = procs.start(
+            "upstream",
+            [PY, str(BENCH / "upstream.py"), "--port", str(up_port)],
+            0,
+            f"http://127.0.0.1:{up_port}/v1",
+        )
+        mcp_srv = procs.start(
+            "mcp",
+            [PY, str(BENCH / "mcp_server.py"), "--port", str(mcp_port)],
+            0,
+            f"http://127.0.0.1:{mcp_port}",
+        )
+        mcp_url = f"http://127.0.0.1:{mcp_port}/mcp"
+
+        def proxy(client: str) -> Server:
+            port = free_port()
+            return procs.start(
+                f"bare {client}",
+                [
+                    PY,
+                    str(BENCH / "proxy_bare.py"),
+                    "--client",
+                    client,
+                    "--upstream",
+                    upstream.url,
+                    "--port",
+                    str(port),
+                ],
+                1,
+                f"http://127.0.0.1:{port}/v1",
+            )
+
+        def gateway(name: str, *extra: str) -> Server:
+            port = free_port()
+            argv = [
+                PY,
+                str(BENCH / "gateway.py"),
+                "--upstream",
+                upstream.url,
+                "--port",
+                str(port),
+                "--mcp-server",
+                f"tools={mcp_url}",
+                *extra,
+            ]
+            return procs.start(name, argv, 1, f"http://127.0.0.1:{port}/v1")
+
+        bare_httpx, bare_aiohttp = proxy("httpx"), proxy("aiohttp")
+        lw = gateway("loopwarden")
+        lw_big = gateway("loopwarden 256MiB", "--max-retained-bytes", str(256 * MIB))
+        lw_sqlite = (
+            gateway("loopwarden sqlite", "--store", f"sqlite:///{workdir}/lw.db") if plan.sqlite else None
+        )
+        litellm_bin = None if args.no_litellm else find_litellm(args.litellm)
+        litellm: Server | None = None
+        litellm_note = "not run (--no-litellm)" if args.no_litellm else "not found (see bench/README.md)"
+        if litellm_bin:
+            port = free_port()
+            litellm_config(upstream.url, workdir / "litellm.yaml")
+            litellm = procs.start(
+                "litellm",
+                [
+                    litellm_bin,
+                    "--config",
+                    str(workdir / "litellm.yaml"),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                1,
+                f"http://127.0.0.1:{port}/v1",
+                env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"},
+            )
+        for server, path in [
+            (upstream, "/healthz"),
+            (mcp_srv, "/mcp"),
+            (bare_httpx, "/healthz"),
+            (bare_aiohttp, "/healthz"),
+            (lw, "/healthz"),
+            (lw_big, "/healthz"),
+        ]:
+            await wait_ready(server, path)
+        if lw_sqlite:
+            await wait_ready(lw_sqlite, "/healthz")
+        if litellm is not None:
+            try:
+                await wait_ready(litellm, "/health/liveliness", timeout=90)
+                litellm_note = f"ran ({litellm_bin}, {litellm_version(litellm_bin)})"
+            except RuntimeError as exc:
+                litellm_note = f"did not start: {str(exc)[-300:]}"
+                procs.stop(litellm)
+                litellm = None
+        results["litellm"] = litellm_note
+        print(f"LiteLLM: {litellm_note}; servers up after {time.monotonic() - t_start:.1f} s", flush=True)
+
+        auth = {"authorization": f"Bearer {MASTER_KEY}"}
+        targets_default = [
+            Target("direct", upstream),
+            Target("bare httpx", bare_httpx),
+            Target("bare aiohttp", bare_aiohttp),
+            Target("loopwarden", lw),
+            Target("loopwarden store=memory", lw, store=None),
+        ]
+        if lw_sqlite:
+            targets_default.append(Target("loopwarden store=sqlite", lw_sqlite, store=None))
+        if litellm:
+            targets_default.append(Target("litellm", litellm, headers=auth))
+        targets_1mb = [t for t in targets_default if not t.name.startswith("loopwarden")]
+        targets_1mb[3:3] = [
+            Target("loopwarden 256MiB", lw_big),
+            Target("loopwarden 256MiB store=memory", lw_big, store=None),
+        ]
+
+        # what the default limits do to the 1 MiB stream (by design, DESIGN.md §4)
+        probe = Client(lw.url + "/responses", 1)
+        sample = await one_request(probe, request_body("text1mb", True, False), {}, True)
+        await probe.close()
+        results["stream1mb_default_limits"] = "completed" if sample.ok else "refused: " + sample.error
+        print(
+            f"1 MiB stream through loopwarden at the default 64 MiB limit: "
+            f"{results['stream1mb_default_limits'][:400]}",
+            flush=True,
+        )
+
+        for scenario in SCENARIOS:
+            targets = targets_1mb if scenario.name == "stream1mb" else targets_default
+            for conc in plan.slow_concurrencies if scenario.name == "stream1mb" else (1, 16):
+                cells = {t.name: Cell() for t in targets}
+                clients = {t.name: Client(t.url, conc) for t in targets}
+                try:
+                    for rep in range(plan.reps):
+                        for target in targets:
+                            cell = cells[target.name]
+                            if cell.cut:  # too slow to finish inside the cap: one burst says enough
+                                continue
+                            body = request_body(scenario.model, scenario.stream, target.store)
+
+                            def make(
+                                client: Client,
+                                target: Target = target,
+                                body: bytes = body,
+                                stream: bool = scenario.stream,
+                            ) -> Awaitable[Sample]:
+                                return one_request(client, body, target.headers, stream)
+
+                            if rep == 0:
+                                await burst(
+                                    make,
+                                    clients[target.name],
+                                    conc,
+                                    plan.warm,
+                                    10 * conc,
+                                    [],
+                                    min(plan.warm + 3, plan.hard_cap),
+                                )
+                            cell.bursts.append(
+                                await burst(
+                                    make,
+                                    clients[target.name],
+                                    conc,
+                                    plan.seconds,
+                                    plan.max_requests,
+                                    [target.server.pid],
+                                    plan.hard_cap,
+                                )
+                            )
+                finally:
+                    for client in clients.values():
+                        await client.close()
+                results["cells"][(scenario.name, conc)] = cells
+                print(f"  done {scenario.name} c={conc} ({time.monotonic() - t_start:.0f} s)", flush=True)
+
+        # the three-round MCP loop
+        persistent, fresh = await mcp_call_costs(mcp_url, 30 if not args.quick else 10)
+        results["mcp_call"] = (persistent, fresh)
+        loop_targets = [
+            Target("direct (client loop)", upstream),
+            Target("bare aiohttp (client loop)", bare_aiohttp),
+            Target("loopwarden (MCP)", lw),
+        ]
+        for stream in (False, True):
+            for conc in plan.slow_concurrencies:
+                cells = {t.name: Cell() for t in loop_targets}
+                pool = McpPool(mcp_url)
+                await pool.open(conc)
+                clients = {t.name: Client(t.url, conc) for t in loop_targets}
+                try:
+                    for rep in range(plan.reps):
+                        for target in loop_targets:
+                            if target.name.startswith("loopwarden"):
+                                body = request_body("tools3", stream, False, tools=MCP_TOOLS)
+
+                                def make_loop(
+                                    client: Client, body: bytes = body, stream: bool = stream
+                                ) -> Awaitable[Sample]:
+                                    return one_request(client, body, {}, stream)
+                            else:
+
+                                def make_loop(
+                                    client: Client,
+                                    target: Target = target,
+                                    stream: bool = stream,
+                                    pool_: McpPool = pool,
+                                ) -> Awaitable[Sample]:
+                                    return client_side_loop(client, target, stream, pool_)
+
+                            if rep == 0:
+                                await burst(
+                                    make_loop,
+                                    clients[target.name],
+                                    conc,
+                                    plan.warm,
+                                    4 * conc,
+                                    [],
+                                    min(plan.warm + 3, plan.hard_cap),
+                                )
+                            cells[target.name].bursts.append(
+                                await burst(
+                                    make_loop,
+                                    clients[target.name],
+                                    conc,
+                                    plan.loop_seconds,
+                                    plan.max_requests,
+                                    [target.server.pid],
+                                    plan.hard_cap,
+                                )
+                            )
+                finally:
+                    for client in clients.values():
+                        await client.close()
+                    await pool.close()
+                results["loop"][("stream" if stream else "buffered", conc)] = cells
+                print(
+                    f"  done loop {'stream' if stream else 'buffered'} c={conc} "
+                    f"({time.monotonic() - t_start:.0f} s)",
+                    flush=True,
+                )
+
+        # memory: peak RSS per in-flight maximum-size request against its ledger charge
+        for server in [bare_httpx, bare_aiohttp, lw, lw_big, lw_sqlite, litellm]:
+            if server is not None:
+                procs.stop(server)
+        hold, n = plan.mem_hold, plan.mem_inflight
+
+        def gw_argv(port: int) -> list[str]:
+            return [PY, str(BENCH / "gateway.py"), "--upstream", upstream.url, "--port", str(port)]
+
+        for phase in plan.memory_phases:
+            port = free_port()
+            base = f"http://127.0.0.1:{port}/v1"
+            if phase == "input":
+                res = await memory_phase(
+                    procs,
+                    "loopwarden: max create body, store off",
+                    gw_argv(port),
+                    base,
+                    max_body(f"hold:{hold}", False),
+                    max_body("hold:0.01", False),
+                    n,
+                    hold,
+                    True,
+                )
+            elif phase == "input_store":
+                res = await memory_phase(
+                    procs,
+                    "loopwarden: max create body, store on (memory)",
+                    gw_argv(port),
+                    base,
+                    max_body(f"hold:{hold}", None),
+                    max_body("hold:0.01", None),
+                    n,
+                    hold,
+                    True,
+                )
+            elif phase == "buffered_output":
+                size = 600_000
+                res = await memory_phase(
+                    procs,
+                    f"loopwarden: {size // 1000} KB buffered answer, store off",
+                    gw_argv(port),
+                    base,
+                    request_body(f"bigjson:{size}:{hold}", False, False),
+                    request_body(f"bigjson:{size}:0.01", False, False),
+                    n,
+                    hold,
+                    True,
+                    payload=size,
+                )
+            else:
+                argv = [
+                    PY,
+                    str(BENCH / "proxy_bare.py"),
+                    "--client",
+                    "aiohttp",
+                    "--upstream",
+                    upstream.url,
+                    "--port",
+                    str(port),
+                ]
+                res = await memory_phase(
+                    procs,
+                    "bare aiohttp: the same max create body",
+                    argv,
+                    base,
+                    max_body(f"hold:{hold}", False),
+                    max_body("hold:0.01", False),
+                    n,
+                    hold,
+                    False,
+                )
+            results["memory"].append(res)
+        print(f"  done memory ({time.monotonic() - t_start:.0f} s)", flush=True)
+    finally:
+        procs.stop_all()
+    results["elapsed"] = time.monotonic() - t_start
+    return results
+
+
+def litellm_version(binary: str) -> str:
+    python = Path(binary).parent / "python"
+    try:
+        out = subprocess.run(
+            [str(python), "-c", "from importlib.metadata import version; print(version('litellm'))"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return "litellm " + out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "litellm version unknown"
+
+
+def report(results: dict[str, Any]) -> None:
+    print("\n" + "=" * 100)
+    print(results["machine"])
+    print(f"LiteLLM: {results['litellm']}")
+    header = [
+        "scenario",
+        "c",
+        "target",
+        "req/s",
+        "x direct",
+        "x bare-aiohttp",
+        "p50 ms",
+        "p99 ms",
+        "+p50 ms",
+        "TTFE p50 ms",
+        "CPU ms/req",
+        "CPU x bare-aiohttp",
+        "n",
+        "err",
+    ]
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    for (scenario, conc), cells in results["cells"].items():
+        direct = cells.get("direct")
+        bare = cells.get("bare aiohttp")
+        for name, cell in cells.items():
+            p50 = cell.pct(0.5)
+            d50 = direct.pct(0.5) if direct else None
+            added = p50 - d50 if p50 is not None and d50 is not None else None
+            count = f"{len(cell.ok)}" + (f"+{cell.cut}cut" if cell.cut else "")
+            rows.append(
+                [
+                    scenario,
+                    str(conc),
+                    name,
+                    f"{cell.throughput:.1f}",
+                    ratio(cell.throughput, direct.throughput if direct else None),
+                    ratio(cell.throughput, bare.throughput if bare else None),
+                    ms(p50),
+                    ms(cell.pct(0.99)),
+                    ms(added),
+                    ms(cell.pct(0.5, "ttfe")),
+                    ms(cell.cpu_per_request),
+                    ratio(bare.cpu_per_request if bare else None, cell.cpu_per_request),
+                    count,
+                    str(cell.errors),
+                ]
+            )
+            if cell.errors:
+                notes.append(f"  {scenario} c={conc} {name}: {cell.first_error()[:300]}")
+    print_table(
+        "Throughput and latency (ratios from this one run). CPU = the server process's own CPU time "
+        "per request; 'CPU x bare-aiohttp' = bare aiohttp CPU/req / this CPU/req (capacity ratio)",
+        rows,
+        header,
+    )
+    if notes:
+        print("errors:\n" + "\n".join(notes))
+    print(
+        f"\n1 MiB stream through loopwarden at the default 64 MiB limit: {results['stream1mb_default_limits'][:300]}"
+    )
+
+    persistent, fresh = results["mcp_call"]
+    print(
+        f"\nOne MCP tools/call from the load generator: p50 {persistent * 1000:.2f} ms on a persistent session, "
+        f"{fresh * 1000:.2f} ms on a fresh session (connect + initialize + call + close)"
+    )
+    rows = []
+    for (mode, conc), cells in results["loop"].items():
+        direct = cells.get("direct (client loop)")
+        bare = cells.get("bare aiohttp (client loop)")
+        for name, cell in cells.items():
+            rows.append(
+                [
+                    mode,
+                    str(conc),
+                    name,
+                    f"{cell.throughput:.1f}",
+                    ratio(cell.throughput, direct.throughput if direct else None),
+                    ratio(cell.throughput, bare.throughput if bare else None),
+                    ms(cell.pct(0.5)),
+                    ms(cell.pct(0.99)),
+                    ms(cell.cpu_per_request),
+                    str(cell.errors),
+                ]
+            )
+            if cell.errors:
+                print(f"  loop error {mode} c={conc} {name}: {cell.first_error()[:300]}")
+    print_table(
+        "Three-round loop, two MCP tool calls (loops/s; a client loop keeps one MCP session per worker; "
+        "CPU = the server's own process per loop)",
+        rows,
+        [
+            "mode",
+            "c",
+            "target",
+            "loops/s",
+            "x direct",
+            "x bare-aiohttp",
+            "p50 ms",
+            "p99 ms",
+            "CPU ms/loop",
+            "err",
+        ],
+    )
+
+    rows = []
+    for m in results["memory"]:
+        rows.append(
+            [
+                m.label,
+                f"{m.payload_bytes / MIB:.2f} MiB",
+                str(m.inflight),
+                f"{m.rss_per_request / MIB:.2f}",
+                "-" if m.charge_per_request is None else f"{m.charge_per_request / MIB:.2f}",
+                "-" if m.peak_charge_per_request is None else f"{m.peak_charge_per_request / MIB:.2f}",
+                ratio(m.peak_charge_per_request, m.rss_per_request),
+                str(m.errors),
+            ]
+        )
+    print_table(
+        "Memory: peak RSS growth per in-flight request vs its charges (MiB). 'reserved' = the worker "
+        "pool's in-flight total (loopwarden_inflight_retained_bytes) mid-hold / requests; 'ledger peak' = "
+        "mean loopwarden_retained_bytes_peak of those requests",
+        rows,
+        [
+            "phase",
+            "payload",
+            "in flight",
+            "RSS/request",
+            "reserved/request",
+            "ledger peak/request",
+            "ledger peak / RSS",
+            "err",
+        ],
+        left=1,
+    )
+
+    print("\nIssue 8 targets (ratios from this run)")
+    cells = results["cells"]
+
+    def cell_of(scenario: str, conc: int, name: str) -> Cell | None:
+        cell = cells.get((scenario, conc), {}).get(name)
+        return cell if cell and cell.ok else None
+
+    for lw_name in ("loopwarden", "loopwarden store=memory"):
+        for scenario in ("buffered", "stream100", "stream1mb"):
+            name = lw_name.replace("loopwarden", "loopwarden 256MiB") if scenario == "stream1mb" else lw_name
+            for conc in (1, 16):
+                lwc, bare, lite = (cell_of(scenario, conc, n) for n in (name, "bare aiohttp", "litellm"))
+                a = lwc.throughput if lwc else None
+                b = bare.throughput if bare else None
+                verdict = "n/a" if not a or not b else ("MET" if a / b >= 0.9 else "NOT MET")
+                print(
+                    f"  {name:<31} {scenario:<9} c={conc:<2} throughput >= 0.9 x bare aiohttp: "
+                    f"{ratio(a, b):>6}  {verdict}"
+                )
+                if lite is not None:
+                    c = lite.throughput
+                    verdict = "n/a" if not a else ("MET" if a / c >= 25 else "NOT MET")
+                    print(
+                        f"  {name:<31} {scenario:<9} c={conc:<2} throughput >= 25 x LiteLLM:        "
+                        f"{ratio(a, c):>6}  {verdict}"
+                    )
+        for scenario in ("stream100", "stream1mb"):
+            name = lw_name.replace("loopwarden", "loopwarden 256MiB") if scenario == "stream1mb" else lw_name
+            lwc, bare = cell_of(scenario, 1, name), cell_of(scenario, 1, "bare aiohttp")
+            a = lwc.pct(0.5, "ttfe") if lwc else None
+            b = bare.pct(0.5, "ttfe") if bare else None
+            verdict = "n/a" if not a or not b else ("MET" if a / b <= 1.2 else "NOT MET")
+            print(
+                f"  {name:<31} {scenario:<9} c=1  TTFE p50 <= 1.2 x bare aiohttp:  {ratio(a, b):>6}  {verdict}"
+            )
+    print(f"\ntotal run time {results['elapsed']:.0f} s")
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "machine": results["machine"],
+        "litellm": results["litellm"],
+        "cells": [],
+        "loop": [],
+        "stream1mb_default_limits": results["stream1mb_default_limits"],
+        "mcp_call": results["mcp_call"],
+    }
+    for key, dest in (("cells", "cells"), ("loop", "loop")):
+        for (scenario, conc), cells in results[key].items():
+            for name, cell in cells.items():
+                out[dest].append(
+                    {
+                        "scenario": scenario,
+                        "c": conc,
+                        "target": name,
+                        "rps": cell.throughput,
+                        "rep_rps": cell.rep_throughputs(),
+                        "p50": cell.pct(0.5),
+                        "p99": cell.pct(0.99),
+                        "ttfe_p50": cell.pct(0.5, "ttfe"),
+                        "cpu_per_req": cell.cpu_per_request,
+                        "ok": len(cell.ok),
+                        "cut": cell.cut,
+                        "errors": cell.errors,
+                    }
+                )
+    out["memory"] = [dataclasses.asdict(m) for m in results["memory"]]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run, under a minute")
+    parser.add_argument(
+        "--litellm",
+        help="path of the litellm executable (default: $LITELLM_BIN, PATH, "
+        "the venv, /tmp/litellm-venv/bin/litellm)",
+    )
+    parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary(results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
