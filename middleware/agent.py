@@ -700,16 +700,10 @@ class StreamStitcher:
         for item in self.loop.resolved.list_items:
             index = self.next_index
             self.next_index += 1
-            await self._emit(
-                "response.output_item.added",
-                {"type": "response.output_item.added", "output_index": index, "item": item},
-            )
+            await self._item_event("response.output_item.added", index, item)
             for kind in ("response.mcp_list_tools.in_progress", "response.mcp_list_tools.completed"):
                 await self._emit(kind, {"type": kind, "output_index": index, "item_id": item["id"]})
-            await self._emit(
-                "response.output_item.done",
-                {"type": "response.output_item.done", "output_index": index, "item": item},
-            )
+            await self._item_event("response.output_item.done", index, item)
 
     async def ensure_started(self) -> None:
         """Open the client stream before any upstream event (work done ahead of the first round)."""
@@ -799,29 +793,18 @@ class StreamStitcher:
                 and self.loop.resolved.gateway_tool(str(item.get("name"))) is not None
             ):
                 continue
-            index = self.next_index
-            self.next_index += 1
-            await self._emit(
-                "response.output_item.added",
-                {"type": "response.output_item.added", "output_index": index, "item": item},
-            )
-            await self._emit(
-                "response.output_item.done",
-                {"type": "response.output_item.done", "output_index": index, "item": item},
-            )
+            await self.add_item(item)
+
+    async def _item_event(self, kind: str, index: int, item: dict[str, Any]) -> None:
+        """``response.output_item.added`` / ``.done`` for `item` at client `index`."""
+        await self._emit(kind, {"type": kind, "output_index": index, "item": item})
 
     async def add_item(self, item: dict[str, Any]) -> None:
-        """A complete item the gateway made (an approval request): added and done at once."""
+        """A complete item (an approval request, an item of a buffered answer): added and done."""
         index = self.next_index
         self.next_index += 1
-        await self._emit(
-            "response.output_item.added",
-            {"type": "response.output_item.added", "output_index": index, "item": item},
-        )
-        await self._emit(
-            "response.output_item.done",
-            {"type": "response.output_item.done", "output_index": index, "item": item},
-        )
+        await self._item_event("response.output_item.added", index, item)
+        await self._item_event("response.output_item.done", index, item)
 
     async def announce_call(self, call: dict[str, Any]) -> None:
         """An ``mcp_call`` item is added (in progress) for a gateway call about to run."""
@@ -841,10 +824,7 @@ class StreamStitcher:
             "arguments": call_arguments(call),
             "status": "in_progress",
         }
-        await self._emit(
-            "response.output_item.added",
-            {"type": "response.output_item.added", "output_index": index, "item": item},
-        )
+        await self._item_event("response.output_item.added", index, item)
         await self._emit(
             "response.mcp_call.in_progress",
             {"type": "response.mcp_call.in_progress", "output_index": index, "item_id": item_id},
@@ -855,10 +835,7 @@ class StreamStitcher:
         index = self.call_index[id(call)]
         kind = "response.mcp_call.completed" if item["status"] == "completed" else "response.mcp_call.failed"
         await self._emit(kind, {"type": kind, "output_index": index, "item_id": item["id"]})
-        await self._emit(
-            "response.output_item.done",
-            {"type": "response.output_item.done", "output_index": index, "item": item},
-        )
+        await self._item_event("response.output_item.done", index, item)
 
     async def terminal(self, final: dict[str, Any]) -> None:
         """The one terminal event, then the end of the stream."""
