@@ -25,6 +25,7 @@ import functools
 import os
 import re
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -219,7 +220,18 @@ class SqliteBackend:
         try:
             conn.execute("PRAGMA foreign_keys = ON")
             if self.path is not None:
-                conn.execute("PRAGMA journal_mode = WAL")
+                # Switching a new file to WAL takes an exclusive lock without waiting on the busy
+                # timeout, so two processes opening one file at once can see "database is locked":
+                # retry for up to the busy timeout.
+                deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT
+                while True:
+                    try:
+                        conn.execute("PRAGMA journal_mode = WAL")
+                        break
+                    except sqlite3.OperationalError as exc:
+                        if "locked" not in str(exc) or time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.02)
                 conn.execute("PRAGMA synchronous = NORMAL")
         except BaseException:
             conn.close()
