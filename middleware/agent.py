@@ -212,6 +212,7 @@ class AgentLoop:
         )
         self.stitcher = StreamStitcher(self) if ctx.stream else None
         self.persisted = False
+        self.rounds_observed = False
         self._round_acc: StreamAccumulator | None = None
         self._round_charge = 0
 
@@ -239,6 +240,12 @@ class AgentLoop:
             await self._persist_failure("failed", {"code": exc.code, "message": exc.message})
             raise
         finally:
+            self._observe_rounds()
+
+    def _observe_rounds(self) -> None:
+        """``loopwarden_inference_rounds`` once per request (before the final bytes when it can)."""
+        if not self.rounds_observed:
+            self.rounds_observed = True
             metrics.INFERENCE_ROUNDS.observe(self.ctx.rounds)
 
     async def _prepare(self) -> None:
@@ -600,6 +607,7 @@ class AgentLoop:
         self.ctx.ledger.admit_terminal(raw)
         self.persisted = True
         await self._persist_checked(final)
+        self._observe_rounds()
         if self.stitcher is not None:
             await self.stitcher.terminal(final)
             return

@@ -142,6 +142,7 @@ class _Guard:
         self.model_label = "other"
         self.lowered: set[str] = set()  # limits this request lowered with its own headers
         self.started_at = time.monotonic()
+        self.counted = False
 
     async def send(self, message: Message) -> None:
         if self.finished:
@@ -153,7 +154,13 @@ class _Guard:
                 self.ctx.committed = True
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.finished = True
+            self._count_request()  # before the last byte leaves: a client never sees it uncounted
         await self._send(message)
+
+    def _count_request(self) -> None:
+        if not self.counted:
+            self.counted = True
+            metrics.REQUESTS.labels(status=str(self.status or 499), model=self.model_label).inc()
 
     async def run(self) -> None:
         metrics.INFLIGHT.inc()
@@ -172,7 +179,7 @@ class _Guard:
             await self._run_inner(ctx)
         finally:
             metrics.INFLIGHT.dec()
-            metrics.REQUESTS.labels(status=str(self.status or 499), model=self.model_label).inc()
+            self._count_request()
             if self.ledger is not None:
                 self.ledger.release_all()  # the request is over: nothing it charged is retained
                 metrics.RETAINED_PEAK.observe(self.ledger.peak)
@@ -493,8 +500,11 @@ class _Guard:
             )
         if self.ctx is not None and self.ctx.stored_status is None:
             self.ctx.stored_status = "failed"
+        # Metrics first, so that they are counted before the client can see the answer.
+        outcome = str(error.status) if not self.started else "sse_error"
+        if error.limit is not None:
+            metrics.CAP_HITS.labels(limit=error.limit, outcome=outcome).inc()
         if not self.started:
-            outcome = str(error.status)
             body = envelope_bytes(error)
             extra = [(b"content-length", str(len(body)).encode())]
             if error.close_connection:
@@ -510,14 +520,11 @@ class _Guard:
             )
             await self.send({"type": "http.response.body", "body": body})
         else:
-            outcome = "sse_error"
             sequence = self.ctx.next_sequence if self.ctx is not None else 0
             metrics.STREAM_ERRORS.labels(code=metrics.stream_error_label(error.code)).inc()
             await self.send(
                 {"type": "http.response.body", "body": sse_error_frame(error, sequence), "more_body": False}
             )
-        if error.limit is not None:
-            metrics.CAP_HITS.labels(limit=error.limit, outcome=outcome).inc()
 
 
 def nonfinite_number_path(raw: bytes) -> str | None:

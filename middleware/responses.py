@@ -59,10 +59,7 @@ class ResponsesApp:
             resolved = await self.state.catalog.resolve(tools if isinstance(tools, list) else None)
             await AgentLoop(self.state, ctx, send, resolved).run()
             return
-        try:
-            await _Exchange(self.state, ctx, send).run()
-        finally:
-            metrics.INFERENCE_ROUNDS.observe(ctx.rounds)
+        await _Exchange(self.state, ctx, send).run()
 
 
 class _Exchange:
@@ -76,6 +73,7 @@ class _Exchange:
     async def run(self) -> None:
         upstream = self.state.upstream_for(self.ctx.route)
         self.ctx.rounds += 1
+        metrics.INFERENCE_ROUNDS.observe(1)  # the pass-through path makes exactly one inference call
         response = await upstream.post("/responses", self.ctx.raw, stream=self.ctx.stream)
         try:
             if response.status_code >= 400:
