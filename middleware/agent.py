@@ -218,6 +218,12 @@ class AgentLoop:
 
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
+        """Serve the request: prepare (history, approvals), loop the rounds, answer once.
+
+        Raises `GatewayError` (508 loop detected, 400/404/413 history problems, 502 upstream
+        problems), `budget.BudgetExceeded` / `PoolExhausted`, or `UpstreamError` for the
+        middleware to answer; the response's true status is stored first when the store is on.
+        """
         try:
             await self._prepare()
             await self._loop()
