@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import httpx
 
+from middleware.plot import bar_chart_png
+
 MIB = 1024 * 1024
 RETAINED_CANDIDATES = tuple(m * MIB for m in (8, 16, 32, 64, 128, 256))
 ROUNDS_CANDIDATES = (1, 2, 3, 5, 10, 20, 50, 100)
@@ -102,9 +104,19 @@ def recommend(values: Sequence[float], observed_max: float, low: float, high: fl
     return high
 
 
-def report(url: str, *, window: str = "1h", timeout: float = 10.0) -> str:
-    """The capacity report as text. Raises `CapacityError`."""
+def report(url: str, *, window: str = "1h", timeout: float = 10.0, plot: str | None = None) -> str:
+    """The capacity report as text; with `plot`, also a PNG bar chart of the share of requests in
+    each ``loopwarden_retained_utilization_ratio`` bucket (peak / limit), buckets over 0.9 in red.
+    Raises `CapacityError`."""
     with httpx.Client(timeout=timeout) as client:
+        if plot is not None:
+            utilization = distribution(client, url, "loopwarden_retained_utilization_ratio", window)
+            shares, previous = [], 0.0
+            for _, cumulative in utilization.buckets:
+                shares.append((cumulative - previous) / utilization.count if utilization.count else 0.0)
+                previous = cumulative
+            warn = next((i for i, (bound, _) in enumerate(utilization.buckets) if bound > 0.9), None)
+            bar_chart_png(shares or [0.0], plot, warn_from=warn)
         retained = distribution(client, url, "loopwarden_retained_bytes_peak", window)
         rounds = distribution(client, url, "loopwarden_inference_rounds", window)
         inflight_rows = _query(client, url, f"max_over_time(sum(loopwarden_inflight_requests)[{window}:5s])")

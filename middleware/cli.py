@@ -138,13 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--prometheus", required=True, help="base URL of the Prometheus server, e.g. http://127.0.0.1:9090"
     )
     cap.add_argument("--window", default="1h", help="PromQL range to look back over (default 1h)")
+    cap.add_argument("--plot", help="also write FILE.png: the share of requests per utilization bucket")
     args = parser.parse_args(argv)
 
     if args.command == "capacity":
         from middleware.capacity import CapacityError, report
 
         try:
-            print(report(args.prometheus, window=args.window))
+            print(report(args.prometheus, window=args.window, plot=args.plot))
         except CapacityError as exc:
             print(f"loopwarden capacity: {exc}", file=sys.stderr)
             return 1
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvicorn.run(create_devmodel_app(), host=args.host, port=args.port, log_level="info")
         return 0
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "prometheus", "window")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "prometheus", "window", "plot")}
     try:
         settings = load_settings(flags, os.environ)
     except ConfigError as exc:

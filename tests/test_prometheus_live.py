@@ -216,13 +216,15 @@ def test_cap_hits_were_scraped_with_the_right_labels(live: tuple[str, str]) -> N
 
 
 def test_capacity_report_on_the_ci_workload(
-    live: tuple[str, str], capsys: pytest.CaptureFixture[str]
+    live: tuple[str, str], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from middleware.cli import main
 
     _, prom_url = live
-    assert main(["capacity", "--prometheus", prom_url, "--window", "10m"]) == 0
+    png = tmp_path / "utilization.png"
+    assert main(["capacity", "--prometheus", prom_url, "--window", "10m", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 500
     print(out)
     assert "retained bytes per request" in out
     assert "recommended: max_retained_bytes=" in out
