@@ -24,7 +24,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from starlette.types import Send
@@ -608,7 +608,6 @@ class AgentLoop:
 
     async def _finish(self, terminal: dict[str, Any], decision: Any) -> None:
         final = self._final_response(terminal, decision)
-        self.ctx.stored_status = str(final.get("status"))
         raw = json.dumps(final, separators=(",", ":")).encode()
         self.ctx.ledger.admit_terminal(raw)
         self.persisted = True
@@ -858,6 +857,3 @@ class StreamStitcher:
         )
         await self._emit(kind, {"type": kind, "response": final})
         await self.loop.send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-LoopFactory = Callable[[GatewayState, RequestContext, Send, ResolvedTools], AgentLoop]

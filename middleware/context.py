@@ -37,4 +37,3 @@ class RequestContext:
     next_sequence: int = 0
     committed: bool = False
     rounds: int = 0
-    stored_status: str | None = None

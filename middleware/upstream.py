@@ -22,22 +22,6 @@ from middleware import metrics
 from middleware.errors import GatewayError, redact
 from middleware.request_id import REQUEST_ID
 
-# Never copied from upstream to client (hop-by-hop and framing headers; RFC 9110 §7.6.1).
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-        "content-encoding",
-    }
-)
-
 
 class UpstreamError(Exception):
     """Base of every upstream transport failure.
