@@ -63,7 +63,7 @@ class ResponsesApp:
 
 
 class _Exchange:
-    """One client request's rounds (one round until the agentic loop lands)."""
+    """The pass-through path: one stateless round, nothing for the gateway to rewrite."""
 
     def __init__(self, state: GatewayState, ctx: RequestContext, send: Send) -> None:
         self.state = state
@@ -171,16 +171,15 @@ class _Exchange:
         )
 
     async def _forward_stream(self, response: UpstreamResponse) -> None:
-        acc = StreamAccumulator(self.ctx.ledger)
+        # Forwarded and dropped: nothing of the stream is kept on this path, so nothing is
+        # accumulated (the parser's bytes and each frame's parse are still charged).
         async for event in self._events(response):
             if event.type == "error":
                 raise upstream_error_event(event.obj)
-            acc.apply(event)
             if not self.ctx.committed:
                 await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             await self._emit(event)
             if event.type in TERMINAL_EVENTS:
-                self.ctx.stored_status = (acc.terminal or {}).get("status") or "completed"
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
         raise GatewayError(
