@@ -30,7 +30,9 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -439,8 +441,6 @@ class _Guard:
                     await task
             if gone:
                 metrics.CLIENT_DISCONNECTS.inc()
-                if ctx.stored_status is None:
-                    ctx.stored_status = "cancelled"
                 if not self.started:
                     self.status = 499
         if ended is not None:
@@ -498,8 +498,6 @@ class _Guard:
             error.message += (
                 f" (this request lowered {field} with its {header} header: send a larger value or none)"
             )
-        if self.ctx is not None and self.ctx.stored_status is None:
-            self.ctx.stored_status = "failed"
         # Metrics first, so that they are counted before the client can see the answer.
         outcome = str(error.status) if not self.started else "sse_error"
         if error.limit is not None:
@@ -527,6 +525,25 @@ class _Guard:
             )
 
 
+def _first_path(root: Any, hit: Callable[[Any], bool]) -> str | None:
+    """The path (``input[0].x``) of the first value or key in `root`, in document order, for
+    which `hit` is true; None when there is none (or it is the root)."""
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        path, value = stack.pop()
+        if hit(value):
+            return path or None
+        if isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                child = f"{path}.{key}" if path else str(key)
+                stack.append((child, item))
+                if hit(key):
+                    stack.append((child, key))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
 def nonfinite_number_path(raw: bytes) -> str | None:
     """Where the first non-finite number of `raw` is (``temperature``, ``input[0].x``), if a
     lenient parse finds one; None otherwise. Only called on the error path."""
@@ -534,16 +551,7 @@ def nonfinite_number_path(raw: bytes) -> str | None:
         root = json.loads(raw)
     except (ValueError, RecursionError):
         return None
-    stack: list[tuple[str, Any]] = [("", root)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            return path or None
-        if isinstance(value, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
-    return None
+    return _first_path(root, lambda v: isinstance(v, float) and not math.isfinite(v))
 
 
 def undecodable_field(raw: bytes) -> str | None:
@@ -553,26 +561,8 @@ def undecodable_field(raw: bytes) -> str | None:
         root = json.loads(raw.decode("utf-8", "surrogateescape"))
     except (ValueError, RecursionError):
         return None
-    if not isinstance(root, dict):
-        return None
-    for key, value in root.items():
-        if _has_escape(value):
-            return str(key)
-    return None
-
-
-def _has_escape(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str) and any("\udc80" <= ch <= "\udcff" for ch in item):
-            return True
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+    path = _first_path(root, lambda v: isinstance(v, str) and any("\udc80" <= ch <= "\udcff" for ch in v))
+    return re.split(r"[.\[]", path, maxsplit=1)[0] if path else None
 
 
 def vars_of(limits: Limits) -> dict[str, int]:
