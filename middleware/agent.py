@@ -27,8 +27,6 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
-from starlette.types import Send
-
 from budget import BudgetExceeded, ChargeModel, count_json_nodes
 from middleware import metrics
 from middleware.context import RequestContext
@@ -43,6 +41,7 @@ from middleware.loop import (
     RoundState,
     classify_round,
 )
+from middleware.outbox import Outbox
 from middleware.sse import KEEPALIVE, encode_event
 from middleware.state import GatewayState
 from middleware.store import RESPONSE_STATUSES, StoredResponse
@@ -187,10 +186,13 @@ class AgentLoop:
     """The rounds of one request whose tools include gateway-owned MCP tools.
 
     ``state``: process state (settings, upstream client); ``ctx``: the admitted request;
-    ``send``: the ASGI send (wrapped by the middleware); ``resolved``: the request's tools.
+    ``send``: the ASGI send (wrapped by the middleware) behind an `Outbox` that coalesces SSE
+    frames; ``resolved``: the request's tools.
     """
 
-    def __init__(self, state: GatewayState, ctx: RequestContext, send: Send, resolved: ResolvedTools) -> None:
+    def __init__(
+        self, state: GatewayState, ctx: RequestContext, send: Outbox, resolved: ResolvedTools
+    ) -> None:
         self.state = state
         self.ctx = ctx
         self.send = send
@@ -463,6 +465,7 @@ class AgentLoop:
         return await self._with_keepalive(work)
 
     async def _with_keepalive(self, work: Awaitable[T]) -> T:
+        await self.send.flush()  # what is buffered reaches the client before the wait
         task = asyncio.ensure_future(work)
         try:
             while True:
@@ -471,6 +474,7 @@ class AgentLoop:
                     return task.result()
                 if self.ctx.committed:
                     await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+                    await self.send.flush()
         finally:
             if not task.done():
                 task.cancel()
@@ -650,6 +654,7 @@ class AgentLoop:
             self.ctx.ledger,
             keepalive=self._keepalive,
             keepalive_interval=self.state.settings.keepalive_interval,
+            idle=self.send.flush,
         )
         async for event in events:
             if event.type == "error":
@@ -673,6 +678,7 @@ class AgentLoop:
     async def _keepalive(self) -> None:
         if self.ctx.committed:
             await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+            await self.send.flush()
 
 
 class StreamStitcher:
@@ -782,6 +788,7 @@ class StreamStitcher:
                 return
             self.round_map[index] = self.next_index
             self.next_index += 1
+        changed = event.changed
         if isinstance(index, int):
             if index not in self.round_map:  # an upstream that skipped output_item.added
                 self.round_map[index] = self.next_index
@@ -789,9 +796,25 @@ class StreamStitcher:
             mapped = self.round_map[index]
             if mapped is None:
                 return
-            obj["output_index"] = mapped
+            if mapped != index:
+                obj["output_index"] = mapped
+                changed = True
         if isinstance(obj.get("response"), dict):
             obj["response"] = self._public_response(obj["response"])
+            changed = True
+        if not changed and obj.get("sequence_number") == self.ctx.next_sequence:
+            # nothing to rewrite (most deltas of a first round): the upstream's bytes go out as they are
+            if not self.ctx.committed:
+                await self.loop.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            self.ctx.next_sequence += 1
+            await self.loop.send(
+                {
+                    "type": "http.response.body",
+                    "body": encode_event(event.type, event.data),
+                    "more_body": True,
+                }
+            )
+            return
         await self._emit(event.type, obj)
 
     async def synthesize(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:

@@ -13,6 +13,7 @@ middleware — the single outcome authority — answers (DESIGN.md §2, §5).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -23,6 +24,7 @@ from middleware.agent import AgentLoop, read_limited, upstream_error_event
 from middleware.budget_mw import context_of
 from middleware.context import RequestContext
 from middleware.errors import GatewayError
+from middleware.outbox import Outbox
 from middleware.sse import KEEPALIVE, encode_event
 from middleware.state import GatewayState
 from middleware.stream import (
@@ -54,18 +56,25 @@ class ResponsesApp:
             or ctx.request.get("previous_response_id") is not None
             or ctx.request.get("conversation") is not None
         )
-        if has_mcp or stateful:
-            assert self.state.catalog is not None, "the lifespan creates the tool catalog"
-            resolved = await self.state.catalog.resolve(tools if isinstance(tools, list) else None)
-            await AgentLoop(self.state, ctx, send, resolved).run()
-            return
-        await _Exchange(self.state, ctx, send).run()
+        outbox = Outbox(send)
+        try:
+            if has_mcp or stateful:
+                assert self.state.catalog is not None, "the lifespan creates the tool catalog"
+                resolved = await self.state.catalog.resolve(tools if isinstance(tools, list) else None)
+                await AgentLoop(self.state, ctx, outbox, resolved).run()
+            else:
+                await _Exchange(self.state, ctx, outbox).run()
+        except Exception:
+            # the events handled before the failure reach the client before the error frame
+            with contextlib.suppress(Exception):
+                await outbox.flush()
+            raise
 
 
 class _Exchange:
     """The pass-through path: one stateless round, nothing for the gateway to rewrite."""
 
-    def __init__(self, state: GatewayState, ctx: RequestContext, send: Send) -> None:
+    def __init__(self, state: GatewayState, ctx: RequestContext, send: Outbox) -> None:
         self.state = state
         self.ctx = ctx
         self.send = send
@@ -134,6 +143,7 @@ class _Exchange:
     async def _keepalive(self) -> None:
         if self.ctx.committed:
             await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+            await self.send.flush()
 
     def _events(self, response: UpstreamResponse) -> Any:
         return read_stream_events(
@@ -141,6 +151,7 @@ class _Exchange:
             self.ctx.ledger,
             keepalive=self._keepalive,
             keepalive_interval=self.state.settings.keepalive_interval,
+            idle=self.send.flush,
         )
 
     async def _aggregate_stream(self, response: UpstreamResponse) -> dict[str, Any]:

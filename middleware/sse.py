@@ -59,6 +59,59 @@ class SSEParser:
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Consume `chunk`; return the events it completes, in order. Raises SSEDecodeError."""
         buf = self._buf
+        if b"\r" in chunk or buf.endswith(b"\r"):
+            return self._feed_lines(chunk)
+        scan_from = len(buf)
+        buf += chunk
+        if buf.find(b"\n", scan_from) < 0:  # no line completed: nothing copied, nothing scanned twice
+            return []
+        # LF-only bytes: whole `event: ...` / `data: ...` frames are cut out at C speed; anything
+        # else (comments, meta fields, multi-line data, a frame begun in an earlier chunk) goes
+        # line by line through `_line`, exactly as `_feed_lines` would.
+        data = bytes(buf)
+        events: list[SSEEvent] = []
+        pos = 0
+        blank = data.find(b"\n\n")
+        while True:
+            if pos <= blank and not self._data and not self._event:
+                frame = data[pos:blank]
+                nl = frame.find(b"\n")
+                matched = True
+                if nl < 0 and frame.startswith(b"data: "):
+                    events.append(SSEEvent("message", frame[6:], self._consumed + blank + 2 - pos))
+                elif (
+                    nl > 0
+                    and frame.startswith(b"event: ")
+                    and frame.startswith(b"data: ", nl + 1)
+                    and frame.find(b"\n", nl + 1) < 0
+                ):
+                    try:
+                        name = frame[7:nl].decode("utf-8") or "message"
+                    except UnicodeDecodeError:
+                        raise SSEDecodeError(
+                            f"upstream SSE event name is not valid UTF-8: {frame[:80]!r}"
+                        ) from None
+                    events.append(SSEEvent(name, frame[nl + 7 :], self._consumed + blank + 2 - pos))
+                else:
+                    matched = False
+                if matched:
+                    self._consumed = 0
+                    pos = blank + 2
+                    blank = data.find(b"\n\n", pos)
+                    continue
+            end = data.find(b"\n", pos)
+            if end < 0:
+                break
+            self._line(data[pos:end], events, end + 1 - pos)
+            pos = end + 1
+            if 0 <= blank < pos:
+                blank = data.find(b"\n\n", pos)
+        del buf[:pos]
+        return events
+
+    def _feed_lines(self, chunk: bytes) -> list[SSEEvent]:
+        """`feed` for bytes with CR line ends: every line end (LF, CR, CRLF) found by one regex."""
+        buf = self._buf
         scan_from = max(len(buf) - 1, 0)  # a held CR may pair with the first new byte
         buf += chunk
         # A trailing CR may be the first half of a CRLF whose LF is in the next chunk: keep it.

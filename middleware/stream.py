@@ -34,11 +34,13 @@ TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "respo
 @dataclasses.dataclass(slots=True)
 class UpstreamEvent:
     """One parsed upstream SSE event: ``type`` (from the JSON, else the event name), the raw
-    ``data`` bytes as received, and the parsed ``obj``."""
+    ``data`` bytes as received, and the parsed ``obj``. ``changed``: ``obj`` was edited after the
+    parse, so ``data`` no longer matches it (forward ``obj`` re-encoded, not ``data``)."""
 
     type: str
     data: bytes
     obj: dict[str, Any]
+    changed: bool = False
 
 
 def incomplete(message: str) -> GatewayError:
@@ -57,35 +59,36 @@ async def read_stream_events(
     *,
     keepalive: Callable[[], Awaitable[None]] | None = None,
     keepalive_interval: float = 15.0,
+    idle: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[UpstreamEvent]:
     """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
 
     ``keepalive`` (when given) is awaited every ``keepalive_interval`` seconds while no upstream
-    bytes arrive. Comments, ``retry:``/``id:``-only blocks, empty data and ``[DONE]`` yield nothing.
+    bytes arrive. ``idle`` (when given) is awaited each time every event of the bytes received so
+    far has been handed out, before waiting for more (the caller flushes its `Outbox` there).
+    Comments, ``retry:``/``id:``-only blocks, empty data and ``[DONE]`` yield nothing.
     Raises 502 ``upstream_invalid_response`` for a frame that is not a JSON object, 502
     ``upstream_incomplete`` for bad encoding, `BudgetExceeded` when the ledger trips.
     """
     parser = SSEParser()
     chunks = response.chunks()
-    pending: asyncio.Future[bytes] | None = None
+    timer = _KeepaliveTimer(keepalive, keepalive_interval) if keepalive is not None else None
     held = 0  # retained charge for the bytes of the incomplete frame (32 x parser.pending)
     frame = 0  # retained charge for the frame being handed out
     ended = False
     try:
         while not ended:
-            pending = asyncio.ensure_future(anext(chunks))
-            while keepalive is not None:
-                done, _ = await asyncio.wait({pending}, timeout=keepalive_interval)
-                if done:
-                    break
-                await keepalive()
+            if idle is not None:
+                await idle()
+            if timer is not None:
+                timer.arm()
             try:
-                chunk = await pending
-                pieces = [chunk[offset : offset + SLICE] for offset in range(0, len(chunk), SLICE)]
+                chunk = await anext(chunks)
+                pieces = [chunk] if len(chunk) <= SLICE else _slices(chunk)
             except StopAsyncIteration:
                 ended, pieces = True, [b""]  # end of stream: settle a held CR
-            finally:
-                pending = None
+            if timer is not None:
+                await timer.disarm()  # a failure (or cancellation) instead cancels it below
             for piece in pieces:
                 try:
                     events = parser.feed(piece) if piece else parser.flush()
@@ -107,12 +110,70 @@ async def read_stream_events(
                 held = ledger.admit_stream_bytes(parser.pending, transient=False)
     finally:
         ledger.release(held + frame)  # what the parser held is gone with it
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
+        if timer is not None:
+            timer.cancel()
         with contextlib.suppress(Exception):
             await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def _slices(chunk: bytes) -> list[bytes]:
+    """`chunk` in slices of at most `SLICE` bytes."""
+    view = memoryview(chunk)
+    return [bytes(view[offset : offset + SLICE]) for offset in range(0, len(chunk), SLICE)]
+
+
+class _KeepaliveTimer:
+    """Awaits ``keepalive`` every ``interval`` seconds while armed, from a task of its own.
+
+    Armed before each upstream read and disarmed after it: one ``call_later`` handle per read, no
+    task unless the upstream really goes quiet for ``interval`` seconds. `disarm` waits for a
+    keep-alive in progress (so two sends never overlap) and re-raises its failure.
+    """
+
+    __slots__ = ("_armed", "_handle", "_interval", "_keepalive", "_loop", "_task")
+
+    def __init__(self, keepalive: Callable[[], Awaitable[None]], interval: float) -> None:
+        self._keepalive = keepalive
+        self._interval = interval
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._armed = False
+
+    def arm(self) -> None:
+        self._armed = True
+        self._handle = self._loop.call_later(self._interval, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self._armed:
+            self._task = self._loop.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        await self._keepalive()
+        if self._armed:
+            self._handle = self._loop.call_later(self._interval, self._fire)
+
+    async def disarm(self) -> None:
+        self._armed = False
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        task, self._task = self._task, None
+        if task is not None:
+            await task
+
+    def cancel(self) -> None:
+        self._armed = False
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        task, self._task = self._task, None
+        if task is not None:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: the request is failing for another reason already
 
 
 def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
@@ -173,6 +234,7 @@ class StreamAccumulator:
             if item.get("type") == "function_call" and not item.get("arguments") and self._deltas.get(index):
                 # arguments were streamed as deltas and the done event left them out (case B07 a)
                 item = obj["item"] = {**item, "arguments": "".join(self._deltas[index])}
+                event.changed = True
             item_json = json.dumps(item, separators=(",", ":")).encode()
             charge = self.ledger.admit_accumulated(item_json)
             self.ledger.release(self._delta_charges.pop(index, 0) + self._item_charges.pop(index, 0))

@@ -28,6 +28,7 @@ class CountingApp:
         self.requests = 0
         self.body_bytes = 0
         self.largest_message = 0  # the largest single http.request body the server delivered
+        self.response_messages = 0  # http.response.body messages the gateway sent (all requests)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/responses":
@@ -41,7 +42,12 @@ class CountingApp:
                     self.largest_message = max(self.largest_message, size)
                 return message
 
-            await self.app(scope, counting_receive, send)
+            async def counting_send(message: Message) -> None:
+                if message["type"] == "http.response.body":
+                    self.response_messages += 1
+                await send(message)
+
+            await self.app(scope, counting_receive, counting_send)
         else:
             await self.app(scope, receive, send)
 

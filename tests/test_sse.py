@@ -192,3 +192,67 @@ def test_a_long_line_in_many_chunks_is_scanned_once(monkeypatch: pytest.MonkeyPa
         events += parser.feed(stream[i : i + 4096])
     assert [len(e.data) for e in events] == [1 << 20]
     assert scanned[0] <= 2 * len(stream)
+
+
+class LinesOnly(SSEParser):
+    """The reference: every byte through the line-by-line path (`_feed_lines`)."""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        return self._feed_lines(chunk)
+
+
+LINES = [
+    b"event: response.output_text.delta",
+    b'data: {"a":1}',
+    b"data:nospace",
+    b"data:  two spaces",
+    b"data: ",
+    b"data",
+    b"event: ",
+    b"event:x",
+    b": comment",
+    b"id: 7",
+    b"retry: 10",
+    b"",
+    b"",
+    b"",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lines=st.lists(st.sampled_from(LINES), max_size=40),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=20),
+)
+def test_the_lf_fast_path_matches_the_line_by_line_parser(lines: list[bytes], cuts: list[int]) -> None:
+    """Canonical frames are cut out whole on LF-only input; every other shape (comments, meta
+    fields, multi-line data, frames split across chunks) must give the same events and raw_len."""
+    stream = b"\n".join(lines) + b"\n"
+    points = sorted({c % (len(stream) + 1) for c in cuts})
+    chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
+    fast, slow = SSEParser(), LinesOnly()
+    got = [e for c in chunks for e in fast.feed(c)] + fast.flush()
+    want = [e for c in chunks for e in slow.feed(c)] + slow.flush()
+    assert got == want
+    assert fast.pending == slow.pending
+
+
+def test_a_long_lf_line_in_many_chunks_is_copied_about_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LF fast path copies the buffer only when a line end arrived: a 1 MiB line fed in 4 KiB
+    chunks is copied about once, not once per chunk."""
+    import middleware.sse as sse
+
+    copied = [0]
+
+    def counting_bytes(value: bytes | bytearray) -> bytes:
+        copied[0] += len(value)
+        return bytes(value)
+
+    monkeypatch.setattr(sse, "bytes", counting_bytes, raising=False)
+    stream = b"event: x\ndata: " + b"y" * (1 << 20) + b"\n\nevent: z\ndata: 1\n\n"
+    parser = SSEParser()
+    events = []
+    for i in range(0, len(stream), 4096):
+        events += parser.feed(stream[i : i + 4096])
+    assert [(e.event, len(e.data)) for e in events] == [("x", 1 << 20), ("z", 1)]
+    assert copied[0] <= 2 * len(stream)
