@@ -57,15 +57,20 @@ from .store_backends import (
     Backend,
     ConversationNotFound,
     DuplicateId,
+    ExecuteMany,
+    Fetch,
+    Params,
     PostgresBackend,
+    Row,
     SchemaTooNew,
     SqliteBackend,
     StoreError,
     StoreUnavailable,
-    Tx,
     UniqueViolation,
     UnknownCursor,
+    Work,
     redact_url,
+    single,
 )
 from .store_schema import MIGRATIONS, MIGRATIONS_TABLE
 
@@ -191,15 +196,20 @@ class Page:
 # --- item helpers ------------------------------------------------------------------------------
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_COMPACT_ASCII = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def encode_json(value: object) -> str:
     """Compact JSON text of ``value`` (``,``/``:`` separators, non-ASCII kept). A string with a
     lone surrogate, which UTF-8 cannot encode, falls back to ASCII escapes. Raises `ValueError`
     for NaN or an infinity (not JSON) and `TypeError` for a value JSON cannot hold."""
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    text = _COMPACT.encode(value)
+    if not text.isascii():  # constant time: ASCII text always encodes
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = _COMPACT_ASCII.encode(value)
     return text
 
 
@@ -329,6 +339,10 @@ WHERE c.id = ? AND c.owner = ?
 GROUP BY c.next_seq
 """
 
+_GET_RESPONSE = (
+    "SELECT id, owner, created_at, status, model, previous_response_id, conversation_id, response, request"
+    " FROM responses WHERE id = ? AND owner = ?"
+)
 _INSERT_RESPONSE = """
 INSERT INTO responses (id, owner, created_at, status, model, previous_response_id, conversation_id,
                        error, request, usage, response)
@@ -358,7 +372,9 @@ class Store:
 
     Build it with `open_store`; call `open` before use and `close` after. Safe for concurrent
     use by many tasks of one event loop (PostgreSQL: up to the pool size at once; SQLite: one
-    transaction at a time). Every method is one transaction.
+    transaction at a time). Every method is one transaction: a unit of `Work` (a generator of
+    statements) that the backend runs, under SQLite as one job of its worker thread. Cancelling
+    a caller never leaves half a transaction: it is rolled back or, once SQLite runs it, finished.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -392,28 +408,34 @@ class Store:
 
     async def _migrate(self) -> list[int]:
         known = max(migration.version for migration in MIGRATIONS)
-        applied_now: list[int] = []
-        async with self.backend.transaction(write=True, schema=True) as tx:
-            await tx.fetch(MIGRATIONS_TABLE)
-            applied = {int(row[0]) for row in await tx.fetch("SELECT version FROM schema_migrations")}
+
+        def work() -> Work[list[int]]:
+            applied_now: list[int] = []
+            yield Fetch(MIGRATIONS_TABLE)
+            applied = {int(row[0]) for row in (yield Fetch("SELECT version FROM schema_migrations"))}
             if applied and max(applied) > known:
                 raise SchemaTooNew(max(applied), known)
             for migration in MIGRATIONS:
                 if migration.version in applied:
                     continue
                 for statement in migration.statements:
-                    await tx.fetch(statement)
-                await tx.fetch(
+                    yield Fetch(statement)
+                yield Fetch(
                     "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
                     (migration.version, migration.name, int(time.time())),
                 )
                 applied_now.append(migration.version)
-        return applied_now
+            return applied_now
+
+        return await self.backend.run(work(), write=True, schema=True)
+
+    async def _read(self, sql: str, params: Params = ()) -> list[Row]:
+        """The rows of one read-only statement."""
+        return await self.backend.run(single(sql, params), write=False)
 
     async def schema_version(self) -> int:
         """The highest applied migration version."""
-        async with self.backend.transaction(write=False) as tx:
-            rows = await tx.fetch("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
+        rows = await self._read("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
         return int(rows[0][0])
 
     # --- responses -----------------------------------------------------------------------------
@@ -441,10 +463,22 @@ class Store:
         response = strip_secrets(resp.response)
         request = strip_secrets(resp.request)
         error, usage = response.get("error"), response.get("usage")
+        # Most output items are also replay items (the same objects): encode and count them once.
+        prepared_by_id: dict[int, _Prepared] = {}
+
+        def prepare(items: list[JsonObject]) -> list[_Prepared]:
+            out = []
+            for item in items:
+                p = prepared_by_id.get(id(item))
+                if p is None:
+                    p = prepared_by_id[id(item)] = _prepare(item)
+                out.append(p)
+            return out
+
         roles = (
-            ("input", [_prepare(item) for item in input_items]),
-            ("output", [_prepare(item) for item in output_items]),
-            ("replay", [_prepare(item) for item in replay_items]),
+            ("input", prepare(input_items)),
+            ("output", prepare(output_items)),
+            ("replay", prepare(replay_items)),
         )
         row = (
             resp.id,
@@ -464,34 +498,28 @@ class Store:
             for role, prepared in roles
             for seq, p in enumerate(prepared)
         ]
+        conversation_id = resp.conversation_id
+
+        def work() -> Work[None]:
+            yield Fetch(_INSERT_RESPONSE, row)
+            yield ExecuteMany(_INSERT_ITEM, item_rows)
+            if conversation_id is not None:
+                flat = [(role, p) for role, prepared in roles for p in prepared]
+                first = yield from _allocate(conversation_id, resp.owner, len(flat))
+                if first is None:
+                    raise ConversationNotFound(conversation_id)
+                yield _insert_conversation_items(
+                    conversation_id, first, flat, response_id=resp.id, created_at=int(time.time())
+                )
+
         try:
-            async with self.backend.transaction(write=True) as tx:
-                await tx.fetch(_INSERT_RESPONSE, row)
-                await tx.executemany(_INSERT_ITEM, item_rows)
-                if resp.conversation_id is not None:
-                    flat = [(role, p) for role, prepared in roles for p in prepared]
-                    first = await _allocate(tx, resp.conversation_id, resp.owner, len(flat))
-                    if first is None:
-                        raise ConversationNotFound(resp.conversation_id)
-                    await _insert_conversation_items(
-                        tx,
-                        resp.conversation_id,
-                        first,
-                        flat,
-                        response_id=resp.id,
-                        created_at=int(time.time()),
-                    )
+            await self.backend.run(work(), write=True)
         except UniqueViolation as exc:
             raise DuplicateId("response", resp.id) from exc
 
     async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
         """The stored response, or None when unknown or another owner's."""
-        async with self.backend.transaction(write=False) as tx:
-            rows = await tx.fetch(
-                "SELECT id, owner, created_at, status, model, previous_response_id, conversation_id,"
-                " response, request FROM responses WHERE id = ? AND owner = ?",
-                (response_id, owner),
-            )
+        rows = await self._read(_GET_RESPONSE, (response_id, owner))
         if not rows:
             return None
         r = rows[0]
@@ -511,18 +539,17 @@ class Store:
         """Delete a response and its items; False when unknown or another owner's. Responses
         continuing from it keep their own items; their chains report it as ``missing_id``.
         Items it appended to a conversation stay there."""
-        async with self.backend.transaction(write=True) as tx:
-            rows = await tx.fetch(
-                "DELETE FROM responses WHERE id = ? AND owner = ? RETURNING id", (response_id, owner)
-            )
+        rows = await self.backend.run(
+            single("DELETE FROM responses WHERE id = ? AND owner = ? RETURNING id", (response_id, owner)),
+            write=True,
+        )
         return bool(rows)
 
     async def chain_size(self, response_id: str, owner: str) -> ChainInfo | None:
         """Size of the ``previous_response_id`` chain ending at ``response_id`` (its ``input`` and
         ``replay`` items), summed in SQL without reading any item; None when unknown or another
         owner's. One statement, a recursive CTE over ``responses``."""
-        async with self.backend.transaction(write=False) as tx:
-            rows = await tx.fetch(_CHAIN_SIZE_SQL, (response_id, owner, owner))
+        rows = await self._read(_CHAIN_SIZE_SQL, (response_id, owner, owner))
         if not rows or not rows[0][0]:
             return None
         length, status, missing, nbytes, nodes, count = rows[0]
@@ -539,8 +566,7 @@ class Store:
         """The upstream items of the whole chain ending at ``response_id``, oldest response
         first: each response's ``input`` items, then its ``replay`` items, each in stored order.
         ``[]`` when unknown or another owner's. Call `chain_size` and admit it first."""
-        async with self.backend.transaction(write=False) as tx:
-            rows = await tx.fetch(_LOAD_CHAIN_SQL, (response_id, owner, owner))
+        rows = await self._read(_LOAD_CHAIN_SQL, (response_id, owner, owner))
         return [_decode(row[0]) for row in rows]
 
     async def list_input_items(
@@ -557,10 +583,13 @@ class Store:
         when ``after`` names no input item of this response; `ValueError` for ``limit`` outside
         1..=100 or another ``order``."""
         _check_page_args(limit, order)
-        async with self.backend.transaction(write=False) as tx:
-            if not await tx.fetch("SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)):
+
+        def work() -> Work[Page | None]:
+            if not (yield Fetch("SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner))):
                 return None
-            return await _page(tx, "items", "response_id", response_id, ("input",), after, limit, order)
+            return (yield from _page("items", "response_id", response_id, ("input",), after, limit, order))
+
+        return await self.backend.run(work(), write=False)
 
     # --- conversations -------------------------------------------------------------------------
 
@@ -572,14 +601,18 @@ class Store:
         conversation_id, created_at = new_id("conv"), int(time.time())
         metadata = dict(metadata or {})
         prepared = [("input", _prepare(item)) for item in items]
-        async with self.backend.transaction(write=True) as tx:
-            await tx.fetch(
+        row = (conversation_id, owner, created_at, encode_json(metadata), len(prepared))
+
+        def work() -> Work[None]:
+            yield Fetch(
                 "INSERT INTO conversations (id, owner, created_at, metadata, next_seq) VALUES (?, ?, ?, ?, ?)",
-                (conversation_id, owner, created_at, encode_json(metadata), len(prepared)),
+                row,
             )
-            await _insert_conversation_items(
-                tx, conversation_id, 0, prepared, response_id=None, created_at=created_at
+            yield _insert_conversation_items(
+                conversation_id, 0, prepared, response_id=None, created_at=created_at
             )
+
+        await self.backend.run(work(), write=True)
         return {
             "id": conversation_id,
             "object": "conversation",
@@ -589,11 +622,10 @@ class Store:
 
     async def get_conversation(self, conversation_id: str, owner: str) -> JsonObject | None:
         """The conversation object, or None when unknown or another owner's."""
-        async with self.backend.transaction(write=False) as tx:
-            rows = await tx.fetch(
-                "SELECT id, created_at, metadata FROM conversations WHERE id = ? AND owner = ?",
-                (conversation_id, owner),
-            )
+        rows = await self._read(
+            "SELECT id, created_at, metadata FROM conversations WHERE id = ? AND owner = ?",
+            (conversation_id, owner),
+        )
         if not rows:
             return None
         return {
@@ -606,10 +638,12 @@ class Store:
     async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
         """Delete a conversation and its items; False when unknown or another owner's. The
         responses that appended to it stay."""
-        async with self.backend.transaction(write=True) as tx:
-            rows = await tx.fetch(
+        rows = await self.backend.run(
+            single(
                 "DELETE FROM conversations WHERE id = ? AND owner = ? RETURNING id", (conversation_id, owner)
-            )
+            ),
+            write=True,
+        )
         return bool(rows)
 
     async def list_conversation_items(
@@ -624,21 +658,27 @@ class Store:
         """The conversation's visible items (``input`` and ``output`` roles), paged as
         `list_input_items`; None when unknown or another owner's."""
         _check_page_args(limit, order)
-        async with self.backend.transaction(write=False) as tx:
-            if not await tx.fetch(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+
+        def work() -> Work[Page | None]:
+            if not (
+                yield Fetch(
+                    "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+                )
             ):
                 return None
-            return await _page(
-                tx,
-                "conversation_items",
-                "conversation_id",
-                conversation_id,
-                ("input", "output"),
-                after,
-                limit,
-                order,
+            return (
+                yield from _page(
+                    "conversation_items",
+                    "conversation_id",
+                    conversation_id,
+                    ("input", "output"),
+                    after,
+                    limit,
+                    order,
+                )
             )
+
+        return await self.backend.run(work(), write=False)
 
     async def add_conversation_items(
         self, conversation_id: str, owner: str, items: list[JsonObject]
@@ -647,21 +687,26 @@ class Store:
         calls show them (with ids). None when the conversation is unknown or another owner's.
         Concurrent appends never lose or interleave items: each gets a contiguous seq range."""
         prepared = [("input", _prepare(item)) for item in items]
-        async with self.backend.transaction(write=True) as tx:
-            first = await _allocate(tx, conversation_id, owner, len(prepared))
+        created_at = int(time.time())
+
+        def work() -> Work[bool]:
+            first = yield from _allocate(conversation_id, owner, len(prepared))
             if first is None:
-                return None
-            await _insert_conversation_items(
-                tx, conversation_id, first, prepared, response_id=None, created_at=int(time.time())
+                return False
+            yield _insert_conversation_items(
+                conversation_id, first, prepared, response_id=None, created_at=created_at
             )
+            return True
+
+        if not await self.backend.run(work(), write=True):
+            return None
         return [present_item(item, p.item_id) for item, (_, p) in zip(items, prepared, strict=True)]
 
     async def conversation_size(self, conversation_id: str, owner: str) -> ChainInfo | None:
         """Size of what `load_conversation` would return (``input`` and ``replay`` items), summed
         in SQL without reading any item; None when unknown or another owner's. Pass its
         ``through_seq`` to `load_conversation`."""
-        async with self.backend.transaction(write=False) as tx:
-            rows = await tx.fetch(_CONVERSATION_SIZE_SQL, (conversation_id, owner))
+        rows = await self._read(_CONVERSATION_SIZE_SQL, (conversation_id, owner))
         if not rows:
             return None
         next_seq, nbytes, nodes, count = rows[0]
@@ -688,31 +733,29 @@ class Store:
         if through_seq is not None:
             sql += " AND i.seq <= ?"
             params.append(through_seq)
-        async with self.backend.transaction(write=False) as tx:
-            rows = await tx.fetch(sql + " ORDER BY i.seq", params)
+        rows = await self._read(sql + " ORDER BY i.seq", params)
         return [_decode(row[0]) for row in rows]
 
 
-async def _allocate(tx: Tx, conversation_id: str, owner: str, count: int) -> int | None:
+def _allocate(conversation_id: str, owner: str, count: int) -> Work[int | None]:
     """Reserve ``count`` seqs of the conversation (row-locked until commit); the first one, or
     None when the conversation is unknown or another owner's."""
-    rows = await tx.fetch(_ALLOCATE_SEQ, (count, conversation_id, owner))
+    rows = yield Fetch(_ALLOCATE_SEQ, (count, conversation_id, owner))
     if not rows:
         return None
     return int(rows[0][0]) - count
 
 
-async def _insert_conversation_items(
-    tx: Tx,
+def _insert_conversation_items(
     conversation_id: str,
     first: int,
     rows: list[tuple[str, _Prepared]],
     *,
     response_id: str | None,
     created_at: int,
-) -> None:
-    """Insert ``(role, item)`` rows at seqs ``first``, ``first + 1``, ..."""
-    await tx.executemany(
+) -> ExecuteMany:
+    """The statement inserting ``(role, item)`` rows at seqs ``first``, ``first + 1``, ..."""
+    return ExecuteMany(
         _INSERT_CONVERSATION_ITEM,
         [
             (
@@ -732,8 +775,7 @@ async def _insert_conversation_items(
     )
 
 
-async def _page(
-    tx: Tx,
+def _page(
     table: str,
     key_column: str,
     key: str,
@@ -741,12 +783,12 @@ async def _page(
     after: str | None,
     limit: int,
     order: Order,
-) -> Page:
+) -> Work[Page]:
     """One page of ``table``'s items of ``key`` in the given roles, ordered by seq."""
     where = f"{key_column} = ? AND role IN ({', '.join('?' * len(roles))})"
     params: list[object] = [key, *roles]
     if after is not None:
-        found = await tx.fetch(
+        found = yield Fetch(
             f"SELECT seq FROM {table} WHERE {where} AND item_id = ? ORDER BY seq LIMIT 1", [*params, after]
         )
         if not found:
@@ -754,7 +796,7 @@ async def _page(
         where += " AND seq > ?" if order == "asc" else " AND seq < ?"
         params.append(found[0][0])
     direction = "ASC" if order == "asc" else "DESC"
-    rows = await tx.fetch(
+    rows = yield Fetch(
         f"SELECT item_id, item FROM {table} WHERE {where} ORDER BY seq {direction} LIMIT ?",
         [*params, limit + 1],
     )

@@ -4,15 +4,25 @@ A backend only opens connections and runs transactions; every SQL statement and 
 lives in `middleware.store`, written once with ``?`` placeholders, so SQLite and PostgreSQL run
 the same statements against the same schema (`middleware.store_schema`).
 
-* `SqliteBackend` — one `sqlite3` connection owned by one worker thread; every statement runs
-  there (never on the event loop), one transaction at a time (an `asyncio.Lock`). ``path=None``
-  is an in-memory database: the same code path as a file. Files get WAL mode,
+A transaction is a unit of `Work`: a generator that yields its statements (`Fetch`,
+`ExecuteMany`) one at a time and is sent each statement's rows back, so a fetch can decide the
+statements after it; its return value is the transaction's result. The backend drives it
+(`Backend.run`) and owns BEGIN / COMMIT / ROLLBACK. The work itself never waits on anything but
+its statements, which lets SQLite run a whole transaction in one job of its worker thread.
+
+* `SqliteBackend` — one `sqlite3` connection owned by one worker thread. A transaction is one
+  job there (never on the event loop): one thread hop per transaction, not one per statement;
+  the single worker runs one job at a time, so transactions never interleave. ``path=None`` is
+  an in-memory database: the same code path as a file. Files get WAL mode,
   ``synchronous=NORMAL`` and a busy timeout, so several processes may share one file. Write
   transactions start with ``BEGIN IMMEDIATE`` (writers are serialized, readers are not blocked);
   reads run in autocommit, one snapshot per statement, as under PostgreSQL's READ COMMITTED.
-* `PostgresBackend` — a psycopg 3 `AsyncConnectionPool` (autocommit connections, explicit
-  transactions), ``?`` rewritten to ``%s``. Schema transactions take a transaction-scoped
-  advisory lock, so gateways starting together against one server migrate one at a time.
+* `PostgresBackend` — a psycopg 3 `AsyncConnectionPool` (autocommit connections), ``?``
+  rewritten to ``%s``; each statement is one round trip. Writes run in an explicit transaction;
+  reads run in autocommit (under READ COMMITTED each statement takes its own snapshot either
+  way, so BEGIN and COMMIT would only cost two round trips). Schema transactions take a
+  transaction-scoped advisory lock, so gateways starting together against one server migrate
+  one at a time.
 
 Driver errors are translated into the store's exception tree (`StoreError` and subclasses,
 defined here so both backends and the store share them).
@@ -26,24 +36,29 @@ import os
 import re
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
 __all__ = [
     "Backend",
     "ConversationNotFound",
     "DuplicateId",
+    "ExecuteMany",
+    "Fetch",
+    "Params",
     "PostgresBackend",
+    "Row",
     "SchemaTooNew",
     "SqliteBackend",
+    "Statement",
     "StoreError",
     "StoreUnavailable",
-    "Tx",
     "UniqueViolation",
     "UnknownCursor",
+    "Work",
     "redact_url",
+    "single",
 ]
 
 _T = TypeVar("_T")
@@ -54,7 +69,6 @@ Params = Sequence[object]
 ADVISORY_LOCK_KEY = 0x6C7773746F726531
 #: Seconds a SQLite writer waits for another process's write lock before failing.
 SQLITE_BUSY_TIMEOUT = 10.0
-
 
 # --- exception tree ----------------------------------------------------------------------------
 
@@ -114,36 +128,72 @@ class UniqueViolation(StoreError):
     """A primary-key / unique constraint failed; `middleware.store` turns it into `DuplicateId`."""
 
 
+# --- units of work -----------------------------------------------------------------------------
+
+
+class Fetch(NamedTuple):
+    """Run ``sql`` (``?`` placeholders) once; the work is sent all its rows (``[]`` for a
+    statement without rows)."""
+
+    sql: str
+    params: Params = ()
+
+
+class ExecuteMany(NamedTuple):
+    """Run ``sql`` once per parameter row of ``rows``; the work is sent ``[]``."""
+
+    sql: str
+    rows: Sequence[Params]
+
+
+Statement: TypeAlias = Fetch | ExecuteMany
+#: One transaction: yields statements, is sent each one's rows, returns the result. It must not
+#: wait on anything else (under SQLite it runs in the worker thread, off the event loop), and it
+#: cannot catch a statement's failure: that fails the whole transaction.
+Work: TypeAlias = Generator[Statement, list[Row], _T]
+
+
+def single(sql: str, params: Params = ()) -> Work[list[Row]]:
+    """The work of one statement: its rows."""
+    rows = yield Fetch(sql, params)
+    return rows
+
+
+def _drive(work: Work[_T], execute: Callable[[Statement], list[Row]]) -> _T:
+    """Run ``work`` to its end, each statement through ``execute``; return its result. The work
+    is closed (its ``finally`` blocks run) when a statement fails."""
+    try:
+        statement = next(work)
+        while True:
+            statement = work.send(execute(statement))
+    except StopIteration as stop:
+        result: _T = stop.value
+        return result
+    finally:
+        work.close()
+
+
 # --- the backend protocol ----------------------------------------------------------------------
-
-
-class Tx(Protocol):
-    """One open transaction. Statements use ``?`` placeholders."""
-
-    async def fetch(self, sql: str, params: Params = ()) -> list[Row]:
-        """Run one statement; return all its rows (``[]`` for statements without rows)."""
-        ...
-
-    async def executemany(self, sql: str, rows: Sequence[Params]) -> None:
-        """Run one statement once per parameter row."""
-        ...
 
 
 class Backend(Protocol):
     """Connections and transactions for one database; see the module docstring."""
 
     name: str
-    #: Called with every statement's SQL before it runs (tests and debugging); None = off.
+    #: Called with every statement's SQL before it runs (tests and debugging; under SQLite in the
+    #: worker thread); None = off.
     on_statement: Callable[[str], None] | None
 
     async def open(self) -> None: ...
 
     async def close(self) -> None: ...
 
-    def transaction(self, *, write: bool, schema: bool = False) -> Any:
-        """An async context manager yielding a `Tx`: commits on success, rolls back on any
-        exception (cancellation included). ``write`` starts a writing transaction (SQLite: the
-        database write lock at once); ``schema`` also takes the migration lock."""
+    async def run(self, work: Work[_T], *, write: bool, schema: bool = False) -> _T:
+        """Run ``work`` as one transaction and return its result: commits when it returns, rolls
+        back when it or a statement raises. ``write`` starts a writing transaction (SQLite: the
+        database write lock at once); ``schema`` also takes the migration lock. Raises what the
+        work raises, `UniqueViolation` for a constraint failure, `StoreUnavailable` for any
+        other database failure."""
         ...
 
 
@@ -156,23 +206,6 @@ def _sqlite_error(exc: sqlite3.Error) -> StoreError:
     return StoreUnavailable(f"SQLite error: {exc}")
 
 
-class _SqliteTx:
-    def __init__(self, backend: SqliteBackend) -> None:
-        self._backend = backend
-
-    async def fetch(self, sql: str, params: Params = ()) -> list[Row]:
-        backend = self._backend
-        if backend.on_statement is not None:
-            backend.on_statement(sql)
-        return await backend.call(lambda conn: conn.execute(sql, params).fetchall())
-
-    async def executemany(self, sql: str, rows: Sequence[Params]) -> None:
-        backend = self._backend
-        if backend.on_statement is not None:
-            backend.on_statement(sql)
-        await backend.call(lambda conn: conn.executemany(sql, rows))
-
-
 class SqliteBackend:
     """SQLite through one connection in one worker thread. ``path=None``: in memory."""
 
@@ -183,32 +216,56 @@ class SqliteBackend:
         self.on_statement: Callable[[str], None] | None = None
         self._conn: sqlite3.Connection | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._lock: asyncio.Lock | None = None
 
     def __repr__(self) -> str:
         return f"SqliteBackend(path={self.path!r})"
 
-    async def call(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run ``fn(connection)`` in the worker thread; translate sqlite3 errors.
+    async def run(self, work: Work[_T], *, write: bool, schema: bool = False) -> _T:
+        """See `Backend.run`. The whole transaction is one job of the worker thread; writes take
+        SQLite's write lock at once (``BEGIN IMMEDIATE``), which is the migration lock too;
+        reads need no transaction.
 
-        The job is shielded: once submitted it runs to completion even if the caller is
-        cancelled, so the single worker always executes a transaction's statements, then its
-        COMMIT or ROLLBACK, in submission order.
+        Cancelling the caller drops a transaction still queued behind others; one already
+        running finishes (commits or rolls back) in the worker, its result discarded.
         """
         executor = self._executor
         if executor is None:
             raise StoreUnavailable("the SQLite store is not open; call `await store.open()` first")
+        # Cancelling the awaiting task cancels the job only while it has not started.
+        return await asyncio.wrap_future(executor.submit(self._transact, work, write or schema))
 
-        def job() -> _T:
-            conn = self._conn
-            if conn is None:
-                raise StoreUnavailable("the SQLite store is closed")
+    def _transact(self, work: Work[_T], write: bool) -> _T:
+        """In the worker thread: ``work`` in a transaction (autocommit when not ``write``);
+        sqlite3 errors translated."""
+        conn = self._conn
+        if conn is None:
+            raise StoreUnavailable("the SQLite store is closed")
+        on_statement = self.on_statement
+
+        def execute(statement: Statement) -> list[Row]:
+            if on_statement is not None:
+                on_statement(statement.sql)
+            if isinstance(statement, Fetch):
+                return conn.execute(statement.sql, statement.params).fetchall()
+            conn.executemany(statement.sql, statement.rows)
+            return []
+
+        try:
+            if not write:
+                # Autocommit: each statement sees the latest commit, as under PostgreSQL's READ
+                # COMMITTED; the single worker keeps them out of this process's writes.
+                return _drive(work, execute)
+            conn.execute("BEGIN IMMEDIATE")
             try:
-                return fn(conn)
-            except sqlite3.Error as exc:
-                raise _sqlite_error(exc) from exc
-
-        return await asyncio.shield(asyncio.wrap_future(executor.submit(job)))
+                result = _drive(work, execute)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return result
+        except sqlite3.Error as exc:
+            raise _sqlite_error(exc) from exc
 
     def _connect(self) -> None:
         if self.path is None:
@@ -242,7 +299,6 @@ class SqliteBackend:
         """Connect (creating the file and its parent directories)."""
         if self._executor is not None:
             return
-        self._lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopwarden-sqlite")
         loop = asyncio.get_running_loop()
         try:
@@ -253,46 +309,20 @@ class SqliteBackend:
             raise StoreUnavailable(f"cannot open SQLite database {self.path or ':memory:'}: {exc}") from exc
 
     async def close(self) -> None:
-        """Wait for the running transaction, close the connection and stop the worker."""
-        executor = self._executor
-        if executor is None or self._lock is None:
+        """Close the connection once the transactions already submitted have run, and stop the
+        worker; transactions started afterwards raise `StoreUnavailable`."""
+        executor, self._executor = self._executor, None
+        if executor is None:
             return
-        async with self._lock:
 
-            def shut() -> None:
-                if self._conn is not None:
-                    self._conn.close()
-                    self._conn = None
+        def shut() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
-            await asyncio.wrap_future(executor.submit(shut))
-            self._executor = None
+        # Shielded: the connection is closed even when this close is cancelled.
+        await asyncio.shield(asyncio.wrap_future(executor.submit(shut)))
         executor.shutdown(wait=True)
-
-    @asynccontextmanager
-    async def transaction(self, *, write: bool, schema: bool = False) -> AsyncIterator[Tx]:
-        """See `Backend.transaction`. Writes take SQLite's write lock at once (``BEGIN
-        IMMEDIATE``), which is the migration lock too; reads need no transaction."""
-        if self._lock is None:
-            raise StoreUnavailable("the SQLite store is not open; call `await store.open()` first")
-        async with self._lock:
-            if not (write or schema):
-                # Reads run in autocommit: each statement sees the latest commit, as under
-                # PostgreSQL's READ COMMITTED; the lock keeps them out of this process's writes.
-                yield _SqliteTx(self)
-                return
-            try:
-                await self.call(lambda conn: conn.execute("BEGIN IMMEDIATE"))
-                yield _SqliteTx(self)
-            except BaseException:
-                # Also when cancelled while BEGIN was queued: the shielded BEGIN still ran.
-                await self.call(_rollback)
-                raise
-            await self.call(lambda conn: conn.execute("COMMIT"))
-
-
-def _rollback(conn: sqlite3.Connection) -> None:
-    if conn.in_transaction:
-        conn.execute("ROLLBACK")
 
 
 # --- PostgreSQL --------------------------------------------------------------------------------
@@ -316,29 +346,6 @@ def redact_url(url: str) -> str:
     userinfo, _, hostpart = rest.partition("@")
     user = userinfo.split(":", 1)[0]
     return f"{scheme}://{user}:***@{hostpart}" if ":" in userinfo else url
-
-
-class _PgTx:
-    def __init__(self, backend: PostgresBackend, conn: Any) -> None:
-        self._backend = backend
-        self._conn = conn
-
-    async def fetch(self, sql: str, params: Params = ()) -> list[Row]:
-        if self._backend.on_statement is not None:
-            self._backend.on_statement(sql)
-        cur = await self._conn.execute(_pg_sql(sql), params)
-        if cur.description is None:
-            return []
-        rows: list[Row] = await cur.fetchall()
-        return rows
-
-    async def executemany(self, sql: str, rows: Sequence[Params]) -> None:
-        if self._backend.on_statement is not None:
-            self._backend.on_statement(sql)
-        if not rows:
-            return
-        async with self._conn.cursor() as cur:
-            await cur.executemany(_pg_sql(sql), rows)
 
 
 class PostgresBackend:
@@ -396,22 +403,47 @@ class PostgresBackend:
         if pool is not None:
             await pool.close()
 
-    @asynccontextmanager
-    async def transaction(self, *, write: bool, schema: bool = False) -> AsyncIterator[Tx]:
-        """See `Backend.transaction`. READ COMMITTED; ``schema`` takes the advisory lock."""
+    async def run(self, work: Work[_T], *, write: bool, schema: bool = False) -> _T:
+        """See `Backend.run`. READ COMMITTED; reads in autocommit (no BEGIN / COMMIT round
+        trips); ``schema`` takes the advisory lock."""
         import psycopg
         from psycopg_pool import PoolTimeout
 
         if self._pool is None:
             raise StoreUnavailable("the PostgreSQL store is not open; call `await store.open()` first")
         try:
-            async with self._pool.connection() as conn, conn.transaction():
-                if schema:
-                    await conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
-                yield _PgTx(self, conn)
+            async with self._pool.connection() as conn:
+                if not (write or schema):
+                    return await self._drive(conn, work)
+                async with conn.transaction():
+                    if schema:
+                        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_KEY,))
+                    return await self._drive(conn, work)
         except psycopg.errors.UniqueViolation as exc:
             raise UniqueViolation(str(exc)) from exc
         except psycopg.Error as exc:
             raise StoreUnavailable(f"PostgreSQL error: {exc}") from exc
         except PoolTimeout as exc:
             raise StoreUnavailable(f"no PostgreSQL connection free: {exc}") from exc
+
+    async def _drive(self, conn: Any, work: Work[_T]) -> _T:
+        """`_drive`, awaiting each statement on ``conn``."""
+        try:
+            statement = next(work)
+            while True:
+                if self.on_statement is not None:
+                    self.on_statement(statement.sql)
+                rows: list[Row] = []
+                if isinstance(statement, Fetch):
+                    cur = await conn.execute(_pg_sql(statement.sql), statement.params)
+                    if cur.description is not None:
+                        rows = await cur.fetchall()
+                elif statement.rows:
+                    async with conn.cursor() as cur:
+                        await cur.executemany(_pg_sql(statement.sql), statement.rows)
+                statement = work.send(rows)
+        except StopIteration as stop:
+            result: _T = stop.value
+            return result
+        finally:
+            work.close()

@@ -30,6 +30,7 @@ from middleware.store import (
     encode_json,
     open_store,
 )
+from middleware.store_backends import single
 from tests.pg import PgServer, PostgresMissing, running_postgres
 
 BACKENDS = ["memory", "sqlite", "postgresql"]
@@ -64,9 +65,7 @@ def run_with_store(url: str, body: Callable[[Store], Awaitable[None]]) -> None:
 
 
 async def raw_rows(store: Store, sql: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
-    async with store.backend.transaction(write=False) as tx:
-        rows: list[tuple[Any, ...]] = await tx.fetch(sql, params)
-    return rows
+    return await store.backend.run(single(sql, params), write=False)
 
 
 def response(
@@ -543,10 +542,10 @@ def test_migrations_are_idempotent(store_url: str) -> None:
         async with open_store(store_url) as store:  # a restart keeps the data, applies nothing
             assert await raw_rows(store, "SELECT version FROM schema_migrations") == [(1,)]
             assert await store.load_chain("resp_1", "alice") == [user("x")]
-            async with store.backend.transaction(write=True) as tx:
-                await tx.fetch(
-                    "INSERT INTO schema_migrations (version, name, applied_at) VALUES (99, 'future', 0)"
-                )
+            await store.backend.run(
+                single("INSERT INTO schema_migrations (version, name, applied_at) VALUES (99, 'future', 0)"),
+                write=True,
+            )
         store = open_store(store_url)
         with pytest.raises(SchemaTooNew, match="version 99"):
             await store.open()
