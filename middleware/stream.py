@@ -97,17 +97,21 @@ async def read_stream_events(
                 for event in events:
                     # Charged per whole frame (its partial charge released first): the same
                     # checks, in the same order, however the stream was split into reads.
-                    ledger.release(held)
-                    held = 0
+                    if held:
+                        ledger.release(held)
+                        held = 0
                     frame = ledger.admit_stream_bytes(event.raw_len)
                     upstream_event = _decode(event, ledger)
                     if upstream_event is not None:
                         yield upstream_event
                     ledger.release(frame)
                     frame = 0
-                ledger.release(held)
-                held = 0
-                held = ledger.admit_stream_bytes(parser.pending, transient=False)
+                if held:
+                    ledger.release(held)
+                    held = 0
+                pending = parser.pending
+                if pending:
+                    held = ledger.admit_stream_bytes(pending, transient=False)
     finally:
         ledger.release(held + frame)  # what the parser held is gone with it
         if timer is not None:
