@@ -39,6 +39,7 @@ from middleware.store import Store, open_store
 from middleware.store_routes import store_routes
 from middleware.tools import McpServerConfig, ToolCatalog
 from middleware.upstream import HttpxUpstream, UpstreamClient, UpstreamError, upstream_status_error
+from middleware.upstream_aiohttp import AiohttpUpstream
 
 log = logging.getLogger("loopwarden")
 
@@ -104,8 +105,10 @@ async def metrics_endpoint(request: Request) -> Response:
 
 
 def default_upstream(settings: Settings, base_url: str) -> UpstreamClient:
-    """The production upstream client (`HttpxUpstream`) configured from `settings`."""
-    return HttpxUpstream(
+    """The production upstream client configured from `settings`: `AiohttpUpstream` (default) or
+    `HttpxUpstream` (``upstream_client: httpx``)."""
+    client = AiohttpUpstream if settings.upstream_client == "aiohttp" else HttpxUpstream
+    return client(
         base_url,
         api_key=settings.upstream_api_key,
         connect_timeout=settings.upstream_connect_timeout,
@@ -142,7 +145,7 @@ def create_app(
 ) -> Starlette:
     """Build the gateway app for `settings`.
 
-    `upstream_factory(settings, base_url)` makes the upstream client (default `HttpxUpstream`);
+    `upstream_factory(settings, base_url)` makes the upstream client (default `default_upstream`);
     `pressure_source()` reports used/allowed memory for the admission safety net.
     """
     state = GatewayState(settings=settings)

@@ -42,6 +42,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--upstream-deadline", type=float, help="seconds for a whole upstream call (default 1800)")
     p.add_argument("--upstream-max-connections", type=int, help="pooled upstream connections (default 100)")
+    p.add_argument("--upstream-client", help="upstream HTTP client: aiohttp (default) or httpx")
     p.add_argument("--max-infer-iters", type=int, help="inference calls per request, 1..=100 (default 10)")
     p.add_argument(
         "--max-retained-bytes",

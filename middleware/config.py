@@ -45,6 +45,7 @@ class Settings:
     upstream_read_timeout: float = 600.0
     upstream_deadline: float = 1800.0
     upstream_max_connections: int = 100
+    upstream_client: str = "aiohttp"
     max_infer_iters: int = 10
     max_retained_bytes: int = 67_108_864
     client_body_timeout: float = 30.0
@@ -136,6 +137,8 @@ class Settings:
             )
         if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
             raise ConfigError(f"upstream must be an http:// or https:// URL, got {self.upstream!r}")
+        if self.upstream_client not in ("aiohttp", "httpx"):
+            raise ConfigError(f"upstream_client must be aiohttp or httpx, got {self.upstream_client!r}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):

@@ -5,12 +5,14 @@ server and returns an `UpstreamResponse` whose body is read incrementally with `
 Transport failures are raised as `UpstreamError` subclasses whose ``kind`` is the
 ``loopwarden_upstream_errors_total`` label (DESIGN.md §8) — never a bare httpx exception — so the
 outcome authority can map them to DESIGN.md §5 (timeouts -> 504 ``upstream_timeout``, the rest ->
-502). The interface exists so other HTTP clients can be benchmarked behind it (issue: performance).
+502). Two implementations: `HttpxUpstream` here and `middleware.upstream_aiohttp.AiohttpUpstream`
+(the default, several times cheaper in CPU), chosen with the ``upstream_client`` setting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.cookiejar
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -167,7 +169,7 @@ class HttpxUpstream:
     ``connect_timeout``: seconds to open a connection. ``read_timeout``: seconds allowed for the
     first byte and between any two reads. ``deadline``: seconds for the whole call, headers and
     body. ``api_key``: sent as ``Authorization: Bearer`` (the operator's credential, never the
-    client's).
+    client's). No cookies are kept: an upstream's Set-Cookie is never replayed for another client.
     """
 
     def __init__(
@@ -199,6 +201,8 @@ class HttpxUpstream:
             headers=headers,
             follow_redirects=False,
             trust_env=False,
+            # keep no cookies: an upstream's Set-Cookie must never be replayed for another client
+            cookies=http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
         )
 
     async def post(self, path: str, body: bytes, *, stream: bool) -> UpstreamResponse:

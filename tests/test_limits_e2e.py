@@ -412,12 +412,24 @@ def test_b25a_short_body_then_reset_is_502_incomplete(upstream: MockUpstream) ->
 
 
 def test_b25b_conflicting_upstream_framing_headers_still_work(upstream: MockUpstream) -> None:
-    parts = [*PRE(), DONE(2, [message_item("ok")])]
-    headers = [("content-type", "text/event-stream"), ("content-length", "123")]
-    upstream.push(Reply(headers=headers, parts=parts, framing="chunked"))
+    """aiohttp (the default client) refuses Content-Length + chunked, so the gateway switches that
+    upstream to httpx for good and sends the refused request again: two upstream requests for the
+    first client request, one for each after it."""
+
+    def reply() -> Reply:
+        parts = [*PRE(), DONE(2, [message_item("ok")])]
+        headers = [("content-type", "text/event-stream"), ("content-length", "123")]
+        return Reply(headers=headers, parts=parts, framing="chunked")
+
+    upstream.push(reply(), reply(), reply())
     with gateway(upstream) as (url, _), sdk(url) as client:
         events = list(client.responses.create(model="m", input="x", stream=True))
-    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
+        assert len(upstream.requests) == 2
+        assert upstream.requests[0].body == upstream.requests[1].body
+        again = list(client.responses.create(model="m", input="x", stream=True))
+        assert again[-1].type == "response.completed"
+        assert len(upstream.requests) == 3
 
 
 def test_non_json_upstream_body_is_502_invalid(upstream: MockUpstream) -> None:
