@@ -202,6 +202,7 @@ def create_app(
         try:
             yield
         finally:
+            await state.catalog.aclose()  # pooled MCP sessions end (HTTP DELETE, stdio process exits)
             await state.store.close()
             await state.upstream.aclose()
             for client in state.upstreams.values():

@@ -127,6 +127,9 @@ class BudgetMiddleware:
         await _Guard(self, scope, receive, send).run()
 
 
+_INPUT_PER_BYTE_STORED = ChargeModel().input_per_byte * 2  # per body byte, store on (reservations)
+
+
 class _Guard:
     """Per-request responder of `BudgetMiddleware`."""
 
@@ -323,7 +326,7 @@ class _Guard:
                     retry_after=self.mw.retry_after,
                 )
             )
-        per_byte = ChargeModel().input_per_byte * 2  # the body is admitted as if store were on
+        per_byte = _INPUT_PER_BYTE_STORED  # the body is admitted as if store were on
         initial = (
             limits.max_retained_bytes
             if declared is None

@@ -60,7 +60,9 @@ class ResponsesApp:
         try:
             if has_mcp or stateful:
                 assert self.state.catalog is not None, "the lifespan creates the tool catalog"
-                resolved = await self.state.catalog.resolve(tools if isinstance(tools, list) else None)
+                resolved = await self.state.catalog.resolve(
+                    tools if isinstance(tools, list) else None, tenant=ctx.owner
+                )
                 await AgentLoop(self.state, ctx, outbox, resolved).run()
             else:
                 await _Exchange(self.state, ctx, outbox).run()

@@ -11,6 +11,9 @@ The loop controller uses three things, once per client request:
 3. ``await run_tool_calls(resolved, calls, ledger=...)`` — runs a round's gateway calls with the
    §6 execution policy and returns one `ToolOutcome` per call, in call order (`tools_exec`).
 
+MCP sessions (listing and calls) come from the catalog's `SessionPool` (``catalog.pool``), which
+keeps them open across rounds and requests; the app's lifespan ends with ``await catalog.aclose()``.
+
 **Names.** The upstream sees each MCP tool under its own name. When two MCP servers declared in the
 same request both expose a tool of the same name (after ``allowed_tools``), *both* are renamed
 ``LABEL__name`` (the server label, two underscores, the MCP name), so neither silently wins; other
@@ -46,6 +49,7 @@ exist. Messages name the server label, never a header value or a URL's query str
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import time
@@ -56,15 +60,18 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
+import mcp
 import mcp_types
 
 from middleware.errors import GatewayError, InvalidRequest
 from middleware.tools_conn import (
     Endpoint,
     McpServerConfig,
+    PoolLimits,
+    SessionPool,
+    SessionUnavailable,
     UrlAllowlist,
     normalize_url,
-    open_session,
     redact_url,
     validate_headers,
     validate_label,
@@ -75,6 +82,7 @@ from middleware.tools_text import describe_exception, scrub_json, scrub_text
 __all__ = [
     "GatewayTool",
     "McpServerConfig",
+    "PoolLimits",
     "ResolvedTools",
     "ToolCatalog",
     "ToolLedger",
@@ -179,7 +187,8 @@ class ResolvedTools:
       in declaration order, listing the tools that ``allowed_tools`` lets through;
     * `gateway_tool` — the `GatewayTool` behind a function name, or None (client-owned).
 
-    It also carries how to reach each declared server (`endpoint`), secrets included, for
+    It also carries how to reach each declared server (`endpoint`), secrets included, and the
+    catalog's session ``pool`` (None: `run_tool_calls` uses a pool of its own), for
     `run_tool_calls`; its ``repr`` shows labels and function names only.
     """
 
@@ -191,12 +200,14 @@ class ResolvedTools:
         gateway_tools: Mapping[str, GatewayTool],
         endpoints: Mapping[str, Endpoint],
         connect_timeout: float,
+        pool: SessionPool | None = None,
     ) -> None:
         self.upstream_tools = upstream_tools
         self.list_items = list_items
         self._gateway_tools = dict(gateway_tools)
         self._endpoints = dict(endpoints)
         self.connect_timeout = connect_timeout
+        self.pool = pool
 
     def __repr__(self) -> str:
         return (
@@ -282,9 +293,13 @@ class ToolCatalog:
     * `connect_timeout` — seconds to connect to a server and list its tools, also the bound on
       opening a session in `run_tool_calls`;
     * `max_cached_lists` — entries kept (least recently stored evicted first): client-declared
-      URLs must not grow the cache without bound.
+      URLs must not grow the cache without bound;
+    * `pool_limits` — how open MCP sessions are kept for reuse (`PoolLimits`: idle timeout, idle
+      sessions per server and in total, calls per session).
 
-    Holds no open connections: nothing to close. Safe to share between requests and event loops.
+    Holds the process's `SessionPool` (``pool``), used by `resolve` for ``tools/list`` and by
+    `run_tool_calls`: call `aclose` at shutdown to close the sessions. Safe to share between
+    requests and event loops (each loop gets its own sessions).
     """
 
     def __init__(
@@ -295,6 +310,7 @@ class ToolCatalog:
         list_ttl: float = 300.0,
         connect_timeout: float = 10.0,
         max_cached_lists: int = 256,
+        pool_limits: PoolLimits | None = None,
     ) -> None:
         self._servers: dict[str, McpServerConfig] = {}
         for server in servers:
@@ -312,6 +328,7 @@ class ToolCatalog:
         self.connect_timeout = connect_timeout
         self._max_cached = max_cached_lists
         self._cache: OrderedDict[tuple[str, ...], _CacheEntry] = OrderedDict()
+        self.pool = SessionPool(pool_limits, connect_timeout=connect_timeout)
 
     def __repr__(self) -> str:
         return (
@@ -328,8 +345,16 @@ class ToolCatalog:
         """Forget every cached tool list (the next `resolve` lists again)."""
         self._cache.clear()
 
-    async def resolve(self, tools: list[dict[str, Any]] | None) -> ResolvedTools:
+    async def aclose(self) -> None:
+        """Close the pooled MCP sessions (`SessionPool.aclose`); later calls get no session."""
+        await self.pool.aclose()
+
+    async def resolve(self, tools: list[dict[str, Any]] | None, *, tenant: str = "") -> ResolvedTools:
         """Expose a request's ``tools`` (see the module docstring for names, approval and errors).
+
+        ``tenant`` (the caller's owner hash) keys the pooled sessions the request's tool calls run
+        on: callers with different API keys never share an MCP session. Listings (side-effect
+        free, cached for ``--mcp-list-ttl``) are shared.
 
         Every ``{"type": "mcp"}`` entry is validated first (400s, no I/O); then the servers whose
         lists are not cached are listed concurrently, each bounded by `connect_timeout` seconds
@@ -416,8 +441,9 @@ class ToolCatalog:
             upstream_tools=upstream,
             list_items=list_items,
             gateway_tools=gateway,
-            endpoints={d.label: d.endpoint for d in declared},
+            endpoints={d.label: dataclasses.replace(d.endpoint, tenant=tenant) for d in declared},
             connect_timeout=self.connect_timeout,
+            pool=self.pool,
         )
 
     def _declare(self, index: int, tool: Mapping[str, Any]) -> _Declared:
@@ -524,16 +550,39 @@ class ToolCatalog:
         return found
 
     async def _fetch(self, endpoint: Endpoint) -> tuple[_ListedTool, ...]:
-        """List every tool of `endpoint` (all pages), within `connect_timeout` seconds in total."""
-        tools: dict[str, _ListedTool] = {}
+        """List every tool of `endpoint` (all pages) on a pooled session, within `connect_timeout`
+        seconds in total. ``tools/list`` has no side effects: when it fails on a reused session,
+        it is tried once more on a new one (the pooled one may have died since its last use)."""
         with anyio.fail_after(self.connect_timeout):
-            async with open_session(endpoint, connect_timeout=self.connect_timeout) as client:
-                cursor: str | None = None
-                for _ in range(MAX_LIST_PAGES):
-                    page = await client.list_tools(cursor=cursor)
-                    for tool in page.tools:
-                        tools.setdefault(tool.name, _listed(tool))
-                    cursor = page.next_cursor
-                    if cursor is None:
-                        return tuple(tools.values())
+            for attempt in range(2):
+                try:
+                    lease = await self.pool.acquire(endpoint)
+                except SessionUnavailable as exc:
+                    raise exc.cause or exc from None
+                try:
+                    tools = await self._list_pages(lease.client)
+                except BaseException as exc:
+                    lease.discard()
+                    if attempt == 0 and lease.reused and isinstance(exc, Exception):
+                        log.info(
+                            "MCP tools/list failed on a reused session (%s); retrying",
+                            describe_exception(exc),
+                        )
+                        continue
+                    raise
+                lease.release()
+                return tools
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    async def _list_pages(client: mcp.Client) -> tuple[_ListedTool, ...]:
+        tools: dict[str, _ListedTool] = {}
+        cursor: str | None = None
+        for _ in range(MAX_LIST_PAGES):
+            page = await client.list_tools(cursor=cursor)
+            for tool in page.tools:
+                tools.setdefault(tool.name, _listed(tool))
+            cursor = page.next_cursor
+            if cursor is None:
+                return tuple(tools.values())
         raise RuntimeError(f"tools/list did not end within {MAX_LIST_PAGES} pages")

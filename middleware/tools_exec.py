@@ -21,37 +21,49 @@
   flight are cancelled first, then it propagates out of `run_tool_calls` (B19).
 * **Failures** — unknown tool, server unreachable, MCP protocol error, any exception — become
   outcome ``error`` with an ``<error: …>`` text for the model. Every call gets exactly one outcome.
+* **Retry.** A call is sent again, once, on a new session only when the first attempt is proven
+  not to have run (`tools_conn.call_not_run`: the request never left the gateway, or the server
+  answered 404 for a session it no longer knows, as after a restart). Any other failure is
+  reported: a tool call may have side effects and must not run twice.
 
 Gateway-made error texts are short (at most about 700 bytes: messages are truncated) and are not
 charged; only what a tool returned is. Metrics: ``loopwarden_tool_calls_total{outcome}`` +1 and
 ``loopwarden_tool_call_duration_seconds`` observed for every returned `ToolOutcome`; calls cut short
 by a ledger overflow or by cancellation return no outcome and are not counted.
 
-**Sessions.** One ``mcp.Client`` session per server per `run_tool_calls` invocation, opened when the
-first call for that server starts (within the catalog's ``connect_timeout``) and closed when the
-invocation ends; calls to one server share it concurrently. Nothing is cached across invocations.
+**Sessions.** Each call leases a session from the catalog's `tools_conn.SessionPool`
+(``resolved.pool``): an open session to its server (same URL, command or in-process server, same
+header values) is reused across calls, rounds and requests, and shared by concurrent calls; one is
+opened when none is free (within the catalog's ``connect_timeout``). A session on which a call is
+cancelled or times out, or fails in a way that may have broken it, leaves the pool and is closed once
+its other calls end. Without a pool (a `ResolvedTools` made by hand) the invocation uses a pool of
+its own, closed before it returns.
 
 **Cancellation.** Cancelling the task awaiting `run_tool_calls` (client disconnect) cancels every
-running call — each MCP request is abandoned and the server's handler cancelled — closes the
-sessions and re-raises the cancellation (CASES.md B14 b).
+running call — each MCP request is abandoned and the server's handler cancelled, and its session
+is discarded from the pool — and re-raises the cancellation (CASES.md B14 b).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import anyio
-import anyio.abc
 import mcp
 
 from middleware.metrics import CAP_HITS, TOOL_CALLS, TOOL_DURATION
-from middleware.tools_conn import ANSWER_TOO_LARGE, open_session
+from middleware.tools_conn import (
+    ANSWER_TOO_LARGE,
+    SessionPool,
+    SessionUnavailable,
+    call_not_run,
+    session_failed,
+)
 from middleware.tools_text import describe_exception, result_text, scrub_text
 
 if TYPE_CHECKING:
@@ -128,79 +140,9 @@ class _LedgerRefused(Exception):
 
 
 class _ServerUnavailable(Exception):
-    def __init__(self, label: str, cause: BaseException | None) -> None:
-        detail = "connection closed" if cause is None else describe_exception(cause)
+    def __init__(self, label: str, failure: SessionUnavailable) -> None:
+        detail = str(failure) if failure.cause is None else describe_exception(failure.cause)
         super().__init__(f"MCP server {label!r} is unavailable ({detail})")
-
-
-@dataclass
-class _Session:
-    """One server's session for one invocation, owned by its own task (anyio scopes must be
-    entered and exited by the same task)."""
-
-    ready: anyio.Event = field(default_factory=anyio.Event)
-    closing: anyio.Event = field(default_factory=anyio.Event)
-    scope: anyio.CancelScope | None = None
-    client: mcp.Client | None = None
-    error: BaseException | None = None
-
-
-class _Sessions:
-    """Lazily opened sessions, one per server label, all closed by `close`."""
-
-    def __init__(
-        self, tg: anyio.abc.TaskGroup, resolved: ResolvedTools, *, connect_timeout: float, max_message: int
-    ) -> None:
-        self._tg = tg
-        self._resolved = resolved
-        self._connect_timeout = connect_timeout
-        self._max_message = max_message
-        self._sessions: dict[str, _Session] = {}
-
-    async def get(self, label: str) -> mcp.Client:
-        """The connected client for `label`; raises `_ServerUnavailable` if it cannot connect."""
-        session = self._sessions.get(label)
-        if session is None:
-            session = self._sessions[label] = _Session()
-            self._tg.start_soon(self._own, label, session)
-        await session.ready.wait()
-        if session.client is None:
-            raise _ServerUnavailable(label, session.error)
-        return session.client
-
-    async def _own(self, label: str, session: _Session) -> None:
-        if session.closing.is_set():
-            session.ready.set()
-            return
-        try:
-            with anyio.CancelScope(deadline=anyio.current_time() + self._connect_timeout) as scope:
-                session.scope = scope
-                async with open_session(
-                    self._resolved.endpoint(label),
-                    connect_timeout=self._connect_timeout,
-                    max_message_bytes=self._max_message,
-                ) as client:
-                    scope.deadline = math.inf
-                    session.client = client
-                    session.ready.set()
-                    await session.closing.wait()
-            if session.client is None and scope.cancelled_caught:
-                session.error = TimeoutError()
-        except Exception as exc:
-            if session.client is None:
-                session.error = exc
-                log.warning("MCP server %r: session failed: %s", label, describe_exception(exc))
-            else:
-                log.debug("MCP server %r: session closed with %s", label, describe_exception(exc))
-        finally:
-            session.ready.set()
-
-    def close(self) -> None:
-        """Close every session: connected ones in order, ones still connecting by cancellation."""
-        for session in self._sessions.values():
-            session.closing.set()
-            if session.client is None and session.scope is not None:
-                session.scope.cancel()
 
 
 def _no_constants(value: str) -> Any:
@@ -247,17 +189,50 @@ class _Runner:
     def __init__(
         self,
         resolved: ResolvedTools,
-        sessions: _Sessions,
+        pool: SessionPool,
         ledger: ToolLedger,
         *,
         timeout: float,
         max_result_bytes: int,
     ) -> None:
         self.resolved = resolved
-        self.sessions = sessions
+        self.pool = pool
         self.ledger = ledger
         self.timeout = timeout
         self.max_result_bytes = max_result_bytes
+        self.max_message = MESSAGE_FACTOR * max_result_bytes + 1024 * 1024
+
+    async def call(self, label: str, name: str, args: dict[str, Any]) -> mcp.types.CallToolResult:
+        """``tools/call`` `name` on server `label` through a pooled session, sent again once on a
+        new session if the first attempt provably did not run. Raises `_ServerUnavailable` when no
+        session can be opened, else what the call raised."""
+        endpoint = self.resolved.endpoint(label)
+        for attempt in range(2):
+            try:
+                lease = await self.pool.acquire(endpoint, max_message_bytes=self.max_message)
+            except SessionUnavailable as exc:
+                unavailable = _ServerUnavailable(label, exc)
+                log.warning("%s", unavailable)
+                raise unavailable from exc
+            try:
+                result = await lease.client.call_tool(name, args)
+            except BaseException as exc:
+                # Cancelled (timeout, disconnect) or broken: the session may hold a half-done request.
+                if isinstance(exc, Exception) and not session_failed(exc):
+                    lease.release()
+                else:
+                    lease.discard()
+                if attempt == 0 and isinstance(exc, Exception) and call_not_run(exc):
+                    log.info(
+                        "MCP server %r: the call was not run (%s); sending it again on a new session",
+                        label,
+                        describe_exception(exc),
+                    )
+                    continue
+                raise
+            lease.release()
+            return result
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def attempt(self, name: str, arguments: object) -> tuple[Outcome, str, bool]:
         """Run one call: (outcome, text, whether the text came from the tool). Never raises
@@ -272,8 +247,7 @@ class _Runner:
         failure: BaseException | None = None
         with anyio.move_on_after(self.timeout) as scope:
             try:
-                client = await self.sessions.get(tool.server_label)
-                result = await client.call_tool(tool.name, args)
+                result = await self.call(tool.server_label, tool.name, args)
             except Exception as exc:
                 failure = exc
         if result is None and scope.cancel_called:
@@ -369,31 +343,30 @@ async def run_tool_calls(
     results: list[ToolOutcome | None] = [None] * len(calls)
     overflow: list[Exception] = []
     pending = iter(range(len(calls)))
-    max_message = MESSAGE_FACTOR * max_result_bytes + 1024 * 1024
-    async with anyio.create_task_group() as owners:
-        sessions = _Sessions(
-            owners, resolved, connect_timeout=resolved.connect_timeout, max_message=max_message
-        )
-        runner = _Runner(resolved, sessions, ledger, timeout=timeout, max_result_bytes=max_result_bytes)
-        try:
-            async with anyio.create_task_group() as workers:
+    own_pool = resolved.pool is None
+    pool = resolved.pool or SessionPool(connect_timeout=resolved.connect_timeout)
+    runner = _Runner(resolved, pool, ledger, timeout=timeout, max_result_bytes=max_result_bytes)
+    try:
+        async with anyio.create_task_group() as workers:
 
-                async def work() -> None:
-                    for index in pending:
-                        try:
-                            results[index] = await runner.execute(calls[index])
-                        except _LedgerRefused as exc:
-                            overflow.append(exc.cause)
-                            workers.cancel_scope.cancel()
-                            return
-                        except Exception:  # a bug here must not leave a call_id dangling
-                            log.exception("tool call %r failed inside the gateway", calls[index]["call_id"])
-                            results[index] = _internal_error(calls[index]["call_id"])
+            async def work() -> None:
+                for index in pending:
+                    try:
+                        results[index] = await runner.execute(calls[index])
+                    except _LedgerRefused as exc:
+                        overflow.append(exc.cause)
+                        workers.cancel_scope.cancel()
+                        return
+                    except Exception:  # a bug here must not leave a call_id dangling
+                        log.exception("tool call %r failed inside the gateway", calls[index]["call_id"])
+                        results[index] = _internal_error(calls[index]["call_id"])
 
-                for _ in range(min(concurrency, len(calls))):
-                    workers.start_soon(work)
-        finally:
-            sessions.close()
+            for _ in range(min(concurrency, len(calls))):
+                workers.start_soon(work)
+    finally:
+        if own_pool:
+            with anyio.CancelScope(shield=True):
+                await pool.aclose()
     if overflow:
         raise overflow[0]
     done = [outcome for outcome in results if outcome is not None]
