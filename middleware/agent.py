@@ -615,6 +615,7 @@ class AgentLoop:
         raw = json.dumps(final, separators=(",", ":")).encode()
         self.ctx.ledger.admit_terminal(raw)
         self.persisted = True
+        await self.send.flush()  # the last round's events do not wait for the store
         await self._persist_checked(final)
         self._observe_rounds()
         if self.stitcher is not None:
@@ -655,6 +656,7 @@ class AgentLoop:
             keepalive=self._keepalive,
             keepalive_interval=self.state.settings.keepalive_interval,
             idle=self.send.flush,
+            last_sent=self.send.last_sent,
         )
         async for event in events:
             if event.type == "error":
@@ -802,7 +804,8 @@ class StreamStitcher:
         if isinstance(obj.get("response"), dict):
             obj["response"] = self._public_response(obj["response"])
             changed = True
-        if not changed and obj.get("sequence_number") == self.ctx.next_sequence:
+        sequence = obj.get("sequence_number")
+        if not changed and type(sequence) is int and sequence == self.ctx.next_sequence:
             # nothing to rewrite (most deltas of a first round): the upstream's bytes go out as they are
             if not self.ctx.committed:
                 await self.loop.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})

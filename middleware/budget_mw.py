@@ -521,6 +521,10 @@ class _Guard:
             )
             await self.send({"type": "http.response.body", "body": body})
         else:
+            if self.ctx is not None and self.ctx.outbox is not None:
+                # frames handled before the failure (a raise, the deadline, the drain) go first
+                with contextlib.suppress(Exception):
+                    await self.ctx.outbox.flush()
             sequence = self.ctx.next_sequence if self.ctx is not None else 0
             metrics.STREAM_ERRORS.labels(code=metrics.stream_error_label(error.code)).inc()
             await self.send(

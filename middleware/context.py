@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from budget import Ledger, Limits
+from middleware.outbox import Outbox
 
 
 @dataclasses.dataclass(eq=False)
@@ -22,6 +23,8 @@ class RequestContext:
     ``next_sequence``: the ``sequence_number`` the next SSE event to the client will carry.
     ``committed``: the response headers have been sent. ``rounds``: inference calls made so far.
     ``owner``: the caller's identity (a hash of its API key) that stored responses belong to.
+    ``outbox``: the `Outbox` holding SSE frames not yet sent (set by the Responses app); the
+    middleware flushes it before it writes an error frame, so the frames come first, in order.
     """
 
     ledger: Ledger
@@ -36,4 +39,5 @@ class RequestContext:
     cancel_reason: Any = None  # the GatewayError the middleware ended this request with (deadline, drain)
     next_sequence: int = 0
     committed: bool = False
+    outbox: Outbox | None = None
     rounds: int = 0

@@ -12,12 +12,17 @@ through, so the response is committed (``RequestContext.committed``) exactly whe
 What is buffered is at most ``flush_bytes`` plus one frame (by default 64 KiB plus one event: the
 same order as one socket read, and less than the ASGI server's own write buffer). It is not
 charged to the request's ledger: every frame was charged as it was parsed, and the buffer is
-bounded per request by a constant. A failure raised while frames are buffered must `flush` them
-before the middleware writes its error frame (`ResponsesApp` does), so the client sees the events
-that preceded the failure, in order.
+bounded per request by a constant. Whatever ends the request while frames are buffered (a raise,
+the deadline, the drain), the middleware flushes them (``RequestContext.outbox``) before it writes
+its error frame, so the client sees the events that preceded the failure, in order.
+
+`last_sent` is the event-loop time of the last write to the client (or of the Outbox's creation):
+keep-alives are due a keep-alive interval after it, whatever the upstream sends meanwhile.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import Message, Send
 
@@ -31,14 +36,24 @@ class Outbox:
     what is buffered now. Raises whatever the wrapped ``send`` raises.
     """
 
-    __slots__ = ("_first", "_frames", "_send", "_size", "flush_bytes")
+    __slots__ = ("_first", "_frames", "_loop", "_send", "_sent_at", "_size", "flush_bytes")
 
     def __init__(self, send: Send, *, flush_bytes: int = FLUSH_BYTES) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._sent_at = self._loop.time()
         self._send = send
         self._frames: list[bytes] = []
         self._size = 0
         self._first = True  # the stream's first frame goes out at once (time to first event)
         self.flush_bytes = flush_bytes
+
+    def last_sent(self) -> float:
+        """Event-loop time (seconds) of the last write to the client, or of the Outbox's creation."""
+        return self._sent_at
+
+    async def _write(self, message: Message) -> None:
+        self._sent_at = self._loop.time()
+        await self._send(message)
 
     @property
     def pending(self) -> int:
@@ -51,7 +66,7 @@ class Outbox:
             if message.get("more_body", False):
                 if body and self._first:
                     self._first = False
-                    await self._send(message)
+                    await self._write(message)
                 elif body:
                     self._frames.append(body)
                     self._size += len(body)
@@ -64,10 +79,10 @@ class Outbox:
                 self._frames.clear()
                 self._size = 0
                 message = {"type": "http.response.body", "body": body, "more_body": False}
-            await self._send(message)
+            await self._write(message)
             return
         await self.flush()
-        await self._send(message)
+        await self._write(message)
 
     async def flush(self) -> None:
         """Send every buffered frame as one ``http.response.body`` message (nothing if empty)."""
@@ -76,4 +91,4 @@ class Outbox:
         body = self._frames[0] if len(self._frames) == 1 else b"".join(self._frames)
         self._frames.clear()
         self._size = 0
-        await self._send({"type": "http.response.body", "body": body, "more_body": True})
+        await self._write({"type": "http.response.body", "body": body, "more_body": True})

@@ -13,7 +13,6 @@ middleware — the single outcome authority — answers (DESIGN.md §2, §5).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
@@ -56,21 +55,17 @@ class ResponsesApp:
             or ctx.request.get("previous_response_id") is not None
             or ctx.request.get("conversation") is not None
         )
-        outbox = Outbox(send)
-        try:
-            if has_mcp or stateful:
-                assert self.state.catalog is not None, "the lifespan creates the tool catalog"
-                resolved = await self.state.catalog.resolve(
-                    tools if isinstance(tools, list) else None, tenant=ctx.owner
-                )
-                await AgentLoop(self.state, ctx, outbox, resolved).run()
-            else:
-                await _Exchange(self.state, ctx, outbox).run()
-        except Exception:
-            # the events handled before the failure reach the client before the error frame
-            with contextlib.suppress(Exception):
-                await outbox.flush()
-            raise
+        # SSE frames are coalesced; on any failure (a raise, the deadline, the drain) the
+        # middleware flushes ctx.outbox before its error frame
+        outbox = ctx.outbox = Outbox(send)
+        if has_mcp or stateful:
+            assert self.state.catalog is not None, "the lifespan creates the tool catalog"
+            resolved = await self.state.catalog.resolve(
+                tools if isinstance(tools, list) else None, tenant=ctx.owner
+            )
+            await AgentLoop(self.state, ctx, outbox, resolved).run()
+        else:
+            await _Exchange(self.state, ctx, outbox).run()
 
 
 class _Exchange:
@@ -154,6 +149,7 @@ class _Exchange:
             keepalive=self._keepalive,
             keepalive_interval=self.state.settings.keepalive_interval,
             idle=self.send.flush,
+            last_sent=self.send.last_sent,
         )
 
     async def _aggregate_stream(self, response: UpstreamResponse) -> dict[str, Any]:
@@ -175,7 +171,8 @@ class _Exchange:
     async def _emit(self, event: UpstreamEvent) -> None:
         """Forward one event with the next client sequence number (re-encoded only if it differs)."""
         data = event.data
-        if event.obj.get("sequence_number") != self.ctx.next_sequence:
+        sequence = event.obj.get("sequence_number")
+        if type(sequence) is not int or sequence != self.ctx.next_sequence:  # 2.0 / true: re-encoded
             event.obj["sequence_number"] = self.ctx.next_sequence
             data = json.dumps(event.obj, separators=(",", ":")).encode()
         self.ctx.next_sequence += 1

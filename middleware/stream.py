@@ -60,11 +60,15 @@ async def read_stream_events(
     keepalive: Callable[[], Awaitable[None]] | None = None,
     keepalive_interval: float = 15.0,
     idle: Callable[[], Awaitable[None]] | None = None,
+    last_sent: Callable[[], float] | None = None,
 ) -> AsyncIterator[UpstreamEvent]:
     """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
 
-    ``keepalive`` (when given) is awaited every ``keepalive_interval`` seconds while no upstream
-    bytes arrive. ``idle`` (when given) is awaited each time every event of the bytes received so
+    ``keepalive`` (when given) is awaited while the gateway waits for upstream bytes and nothing
+    was sent to the client for ``keepalive_interval`` seconds: since ``last_sent()`` (event-loop
+    time of the last client write, e.g. `Outbox.last_sent`) when given, else since the wait began.
+    Upstream bytes that complete no event (comments, a long frame trickling in) do not put it
+    off. ``idle`` (when given) is awaited each time every event of the bytes received so
     far has been handed out, before waiting for more (the caller flushes its `Outbox` there).
     Comments, ``retry:``/``id:``-only blocks, empty data and ``[DONE]`` yield nothing.
     Raises 502 ``upstream_invalid_response`` for a frame that is not a JSON object, 502
@@ -72,7 +76,7 @@ async def read_stream_events(
     """
     parser = SSEParser()
     chunks = response.chunks()
-    timer = _KeepaliveTimer(keepalive, keepalive_interval) if keepalive is not None else None
+    timer = _KeepaliveTimer(keepalive, keepalive_interval, last_sent) if keepalive is not None else None
     held = 0  # retained charge for the bytes of the incomplete frame (32 x parser.pending)
     frame = 0  # retained charge for the frame being handed out
     ended = False
@@ -127,26 +131,39 @@ def _slices(chunk: bytes) -> list[bytes]:
 
 
 class _KeepaliveTimer:
-    """Awaits ``keepalive`` every ``interval`` seconds while armed, from a task of its own.
+    """Awaits ``keepalive`` while armed once the client has heard nothing for ``interval`` seconds,
+    from a task of its own.
 
-    Armed before each upstream read and disarmed after it: one ``call_later`` handle per read, no
-    task unless the upstream really goes quiet for ``interval`` seconds. `disarm` waits for a
-    keep-alive in progress (so two sends never overlap) and re-raises its failure.
+    Armed before each upstream read and disarmed after it: one ``call_at`` handle per read, no
+    task unless the client really goes ``interval`` seconds without a byte. Quiet time counts from
+    ``last_sent()`` (the last client write) or from the last keep-alive, whichever is later — not
+    from the last upstream read, so upstream bytes that complete no event do not starve the
+    client. `disarm` waits for a keep-alive in progress (two sends never overlap) and re-raises
+    its failure.
     """
 
-    __slots__ = ("_armed", "_handle", "_interval", "_keepalive", "_loop", "_task")
+    __slots__ = ("_armed", "_beat_at", "_handle", "_interval", "_keepalive", "_last_sent", "_loop", "_task")
 
-    def __init__(self, keepalive: Callable[[], Awaitable[None]], interval: float) -> None:
+    def __init__(
+        self,
+        keepalive: Callable[[], Awaitable[None]],
+        interval: float,
+        last_sent: Callable[[], float] | None = None,
+    ) -> None:
         self._keepalive = keepalive
         self._interval = interval
+        self._last_sent = last_sent
         self._loop = asyncio.get_running_loop()
+        self._beat_at = self._loop.time()  # the last keep-alive (or the start of the stream)
         self._handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._armed = False
 
     def arm(self) -> None:
         self._armed = True
-        self._handle = self._loop.call_later(self._interval, self._fire)
+        now = self._loop.time()
+        quiet_since = max(self._beat_at, self._last_sent() if self._last_sent is not None else now)
+        self._handle = self._loop.call_at(max(quiet_since + self._interval, now), self._fire)
 
     def _fire(self) -> None:
         self._handle = None
@@ -154,9 +171,11 @@ class _KeepaliveTimer:
             self._task = self._loop.create_task(self._beat())
 
     async def _beat(self) -> None:
+        self._beat_at = self._loop.time()
         await self._keepalive()
         if self._armed:
-            self._handle = self._loop.call_later(self._interval, self._fire)
+            self._handle = None
+            self.arm()
 
     async def disarm(self) -> None:
         self._armed = False

@@ -170,6 +170,8 @@ class HttpxUpstream:
     first byte and between any two reads. ``deadline``: seconds for the whole call, headers and
     body. ``api_key``: sent as ``Authorization: Bearer`` (the operator's credential, never the
     client's). No cookies are kept: an upstream's Set-Cookie is never replayed for another client.
+    ``keepalive``: reuse connections (False: one connection per call, for an upstream whose
+    framing cannot be trusted, see `AiohttpUpstream`).
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class HttpxUpstream:
         read_timeout: float = 600.0,
         deadline: float = 1800.0,
         max_connections: int = 100,
+        keepalive: bool = True,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeouts = httpx.Timeout(
@@ -197,7 +200,9 @@ class HttpxUpstream:
             headers["authorization"] = f"Bearer {api_key}"
         self._client = httpx.AsyncClient(
             timeout=self._timeouts,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections if keepalive else 0
+            ),
             headers=headers,
             follow_redirects=False,
             trust_env=False,

@@ -182,7 +182,8 @@ class AiohttpUpstream:
     Conflicting framing (CASES.md B25b): aiohttp refuses a response that carries both
     Content-Length and ``Transfer-Encoding: chunked``, and cannot be made lenient. The first such
     response switches this upstream, for the rest of the process, to an `HttpxUpstream` with the
-    same configuration (one WARNING is logged), and the refused request is sent again through it:
+    same configuration but no connection reuse (one WARNING is logged), and the refused request is
+    sent again through it:
     **the model server sees that one inference call twice**, once per process and upstream. Any
     other protocol violation is an error, as with httpx.
     """
@@ -314,10 +315,13 @@ class AiohttpUpstream:
                 read_timeout=self._read_timeout,
                 deadline=self._deadline,
                 max_connections=self._max_connections,
+                # conflicting framing is the signal of a desynchronised (or smuggling) upstream:
+                # never read a second answer from a connection that sent one
+                keepalive=False,
             )
             url = urlsplit(self.base_url)
             log.warning(
-                "upstream %s://%s answered with both a content length and chunked transfer encoding, "
+                "upstream %s://%s answered with both a content length and a transfer encoding, "
                 "which aiohttp refuses; this upstream now uses the httpx client for the rest of the "
                 "process, and the request is sent again (one extra inference call); "
                 "set upstream_client: httpx to avoid it",

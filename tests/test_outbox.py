@@ -189,3 +189,82 @@ def test_events_before_an_in_band_error_precede_the_error_frame(upstream: MockUp
     ]
     assert [data["sequence_number"] for _, data in events] == [0, 1, 2, 3, 4]
     assert json.dumps(events[-1][1]).count("engine died") >= 1
+
+
+def test_frames_buffered_when_the_deadline_fires_precede_its_error_frame(
+    upstream: MockUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline (or the drain) cancels the request while frames sit in the Outbox (here: the
+    final save is slow): the middleware flushes them before its error frame, numbered 0..N."""
+    from middleware import store as store_module
+
+    original = store_module.Store.save_response
+
+    async def slow_save(self: Any, response: Any, **kw: Any) -> Any:
+        if response.status == "completed":
+            await asyncio.sleep(3)  # a slow database
+        return await original(self, response, **kw)
+
+    monkeypatch.setattr(store_module.Store, "save_response", slow_save)
+    body = b"".join([*PRE(), text_delta(2, "Hel"), text_delta(3, "lo"), DONE(4, [message_item("Hello")])])
+    upstream.push(Reply.sse([body]))
+    with gateway(upstream, request_deadline=1.0) as (url, _):
+        raw = httpx.post(
+            url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}, timeout=30
+        ).content
+    events = sse_events(raw)
+    assert [name for name, _ in events][:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_text.delta",
+        "response.output_text.delta",
+    ]
+    assert events[-1][0] == "error" and events[-1][1]["code"] == "request_deadline_exceeded"
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+
+
+def test_upstream_comments_do_not_starve_the_client_of_keepalives(upstream: MockUpstream) -> None:
+    """Keep-alives are due an interval after the last client write: upstream bytes that complete
+    no event (comments every 0.5 s for 4 s) must not put them off (DESIGN.md §5)."""
+    parts = [
+        b"".join(PRE()),
+        *[x for _ in range(8) for x in (0.5, b": ping\n\n")],
+        DONE(2, [message_item("ok")]),
+    ]
+    upstream.push(Reply.sse(parts))
+    with gateway(upstream, keepalive_interval=1.0) as (url, _):
+        body = b""
+        with httpx.stream(
+            "POST",
+            url + "/v1/responses",
+            json={"model": "m", "input": "x", "stream": True, "store": False},
+            timeout=30,
+        ) as r:
+            for raw in r.iter_raw():
+                body += raw
+    # ~4 s of upstream comments at a 1 s interval: about 3-4 keep-alives (generous bounds)
+    assert 2 <= body.count(b": keep-alive") <= 6
+    assert [name for name, _ in sse_events(body)][-1] == "response.completed"
+
+
+def test_a_non_integer_sequence_number_is_renumbered(upstream: MockUpstream) -> None:
+    """Only an int equal to the next number is forwarded as received: 2.0 or true are re-encoded."""
+    created = {"id": "resp_up", "object": "response", "status": "in_progress", "output": []}
+    parts = [
+        E("response.created", {"type": "response.created", "sequence_number": 0.0, "response": created}),
+        E(
+            "response.in_progress",
+            {"type": "response.in_progress", "sequence_number": True, "response": created},
+        ),
+        DONE(2, [message_item("ok")]),
+    ]
+    for store in (False, True):
+        upstream.push(Reply.sse([b"".join(parts)]))
+        with gateway(upstream) as (url, _):
+            raw = httpx.post(
+                url + "/v1/responses",
+                json={"model": "m", "input": "x", "stream": True, "store": store},
+                timeout=30,
+            ).content
+        numbers = [data["sequence_number"] for _, data in sse_events(raw)]
+        assert numbers == [0, 1, 2] and all(type(n) is int for n in numbers)
