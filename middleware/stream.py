@@ -303,7 +303,8 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
 
     A ``Content-Length`` over ``ledger.limit // 8`` is refused without reading (502
     ``upstream_response_too_large``); otherwise each chunk is charged with ``admit_output`` as it
-    arrives (the ledger trips long before the clamp; `BudgetExceeded`). The caller releases
+    arrives (the ledger trips long before the clamp; `BudgetExceeded`). A body whose first
+    non-whitespace byte is not ``{`` is refused at once (502 ``upstream_invalid_response``). The caller releases
     ``charge`` once the round's kept items are charged.
     """
     clamp = ledger.limit // 8
@@ -321,8 +322,15 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
     parts: list[bytes] = []
     charge = 0
     nodes = 0
+    opened = False  # the first non-whitespace byte was seen (and is "{")
     try:
         async for chunk in response.chunks():
+            if not opened and (head := chunk.lstrip(b" \t\r\n")):
+                # a response object or nothing: an SSE or HTML body without its content type is
+                # refused as what it is, not charged (its text would count as many JSON nodes)
+                if head[:1] != b"{":
+                    raise invalid(f"upstream answered with a body that is not a JSON object: {head[:40]!r}")
+                opened = True
             try:
                 total = counter.feed(chunk)
             except JsonTooDeep:

@@ -440,6 +440,21 @@ def test_non_json_upstream_body_is_502_invalid(upstream: MockUpstream) -> None:
     assert r.json()["error"]["code"] == "upstream_invalid_response"
 
 
+def test_an_sse_body_without_its_content_type_is_invalid_not_a_cap_hit(upstream: MockUpstream) -> None:
+    """A buffered request answered with event-stream text and no content type: 502
+    upstream_invalid_response at its first byte — not charged as JSON (that read as a budget
+    overflow: 502 max_retained_bytes_exceeded and a cap hit)."""
+    sse = b"".join([*PRE(), *(text_delta(2 + i, "x" * 50) for i in range(40)), DONE(42, [message_item("x")])])
+    upstream.push(Reply(headers=[], parts=[b"\r\n  " + sse], framing="chunked"))
+    caps = MetricDelta()
+    with gateway(upstream, max_retained_bytes=262_144) as (url, _):
+        r = post(url, b'{"model":"m","input":"x","store":false}')
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_invalid_response"
+    assert "not a JSON object" in r.json()["error"]["message"]
+    assert caps.delta("loopwarden_cap_hits_total", limit="max_retained_bytes", outcome="502") == 0
+
+
 @pytest.mark.parametrize(
     ("status", "body", "want_status", "want_code", "want_message"),
     [
