@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
+from aiohttp.http_exceptions import HttpProcessingError
 
 from middleware import metrics
 from middleware.request_id import REQUEST_ID
@@ -49,7 +50,11 @@ class _FramingConflict(Exception):
 
 
 def _translate(
-    exc: aiohttp.ClientError, *, during: str, connect_timeout: float, read_timeout: float
+    exc: aiohttp.ClientError | HttpProcessingError,
+    *,
+    during: str,
+    connect_timeout: float,
+    read_timeout: float,
 ) -> UpstreamError:
     """The `UpstreamError` for an aiohttp failure ``during`` "headers" or "body" (the messages of
     `middleware.upstream._translate`, which does the same for httpx)."""
@@ -64,7 +69,11 @@ def _translate(
     if isinstance(exc, aiohttp.ClientConnectorError):  # refused, DNS, TLS
         return UpstreamConnectError(f"cannot connect to the upstream: {exc}")
     if isinstance(
-        exc, aiohttp.ClientPayloadError | aiohttp.ClientConnectionError | aiohttp.ClientResponseError
+        exc,
+        aiohttp.ClientPayloadError
+        | aiohttp.ClientConnectionError
+        | aiohttp.ClientResponseError
+        | HttpProcessingError,  # the pure-Python parser raises its framing errors from body reads
     ):
         # a short body, a reset, a disconnect before the headers, or framing the parser refused
         return UpstreamIncomplete(f"upstream closed the connection early: {exc}")
@@ -92,6 +101,36 @@ def _unread(content: aiohttp.StreamReader) -> Iterator[bytes]:
         if not isinstance(piece, bytes) or not piece:
             return
         yield piece
+
+
+def _fail_body_when_connection_closes(response: aiohttp.ClientResponse) -> None:
+    """Make a body read fail, not hang, when the connection closes before the body ended.
+
+    aiohttp (3.14, C parser) answers a malformed chunk that arrives after the headers by closing
+    the connection and failing the *protocol*, without failing the body's `StreamReader` or keeping
+    its read timeout: ``content.read()`` then waits forever (tests/test_upstream_clients.py,
+    ``test_a_bad_chunk_after_the_headers_fails_the_read``). When the connection is lost, a body
+    that is neither complete nor failed is failed here (public `ResponseHandler.closed` future).
+    """
+    connection = response.connection
+    protocol = connection.protocol if connection is not None else None
+    if protocol is None:
+        return
+    content = response.content
+
+    def on_closed(closed: asyncio.Future[None] | None = None) -> None:
+        if closed is not None and not closed.cancelled():
+            closed.exception()  # retrieved: aiohttp's own failure is reported through the body
+        if not content.is_eof() and content.exception() is None:
+            content.set_exception(
+                aiohttp.ClientPayloadError("the upstream connection closed before the body ended")
+            )
+
+    closed = protocol.closed
+    if closed is None:  # already lost
+        on_closed()
+    else:
+        closed.add_done_callback(on_closed)
 
 
 def _lower_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -124,6 +163,7 @@ class _AiohttpResponse:
         self._read_timeout = read_timeout
         self.status_code = response.status
         self.headers: Mapping[str, str] = _lower_headers(response.headers)
+        _fail_body_when_connection_closes(response)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         content = self._response.content
@@ -133,7 +173,7 @@ class _AiohttpResponse:
                     # bounded: at most READ_SIZE bytes of what has arrived, so a caller that stops
                     # (a cap hit) has been handed no more than with httpx
                     chunk = await content.read(READ_SIZE)
-            except aiohttp.ClientError as exc:  # before TimeoutError: ServerTimeoutError is both
+            except (aiohttp.ClientError, HttpProcessingError) as exc:  # before TimeoutError (see _send)
                 failure = _translate(
                     exc, during="body", connect_timeout=self._connect_timeout, read_timeout=self._read_timeout
                 )

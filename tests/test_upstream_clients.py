@@ -484,6 +484,26 @@ def test_other_framing_errors_stay_errors(make: Factory, upstream: MockUpstream)
     assert len(upstream.requests) == 1
 
 
+def test_a_bad_chunk_after_the_headers_fails_the_read(make: Factory, upstream: MockUpstream) -> None:
+    """aiohttp's C parser closes the connection on a malformed chunk that arrives after the
+    headers but never fails the body, and drops its read timeout: the read must still fail at
+    once (it hung until the whole-call deadline)."""
+    for _ in range(3):
+        upstream.push(
+            Reply(
+                headers=[("transfer-encoding", "chunked")],
+                parts=[0.05, b"zz\r\nnot hex\r\n"],
+                framing="close",
+            )
+        )
+
+    async def bounded() -> Any:
+        return await asyncio.wait_for(post_and_read(make(upstream.base_url)), 10)
+
+    for _ in range(3):
+        expect(UpstreamIncomplete, bounded())
+
+
 # -- the setting ---------------------------------------------------------------------------------
 def test_setting_from_env_file_and_flag(tmp_path: Path) -> None:
     cfg = tmp_path / "lw.yaml"
