@@ -109,5 +109,8 @@ def log_config(level: str, *, json_lines: bool) -> dict[str, object]:
             "uvicorn": {"handlers": [], "level": level.upper(), "propagate": True},
             "uvicorn.error": {"handlers": [], "level": level.upper(), "propagate": True},
             "uvicorn.access": {"handlers": [], "level": level.upper(), "propagate": True},
+            # HTTP clients log every request at INFO: the access log already has one line each
+            "httpx": {"handlers": [], "level": "WARNING", "propagate": True},
+            "httpx2": {"handlers": [], "level": "WARNING", "propagate": True},
         },
     }

@@ -544,3 +544,19 @@ def test_cli_flag_is_validated_and_wins_over_the_environment() -> None:
     )
     assert proc.returncode == 2
     assert "upstream_client must be aiohttp or httpx, got 'curl'" in proc.stderr
+
+
+def test_http_client_request_lines_stay_out_of_the_info_log() -> None:
+    """httpx logs every request at INFO (seen with --upstream-client httpx): the gateway's log
+    configuration keeps the HTTP clients at WARNING and the gateway at the chosen level."""
+    code = (
+        "import logging, logging.config\n"
+        "from middleware.request_id import log_config\n"
+        "logging.config.dictConfig(log_config('info', json_lines=False))\n"
+        "print(logging.getLogger('httpx').isEnabledFor(logging.INFO),"
+        " logging.getLogger('httpx2').isEnabledFor(logging.INFO),"
+        " logging.getLogger('httpx').isEnabledFor(logging.WARNING),"
+        " logging.getLogger('loopwarden').isEnabledFor(logging.INFO))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "False", "True", "True"]
