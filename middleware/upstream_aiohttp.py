@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -103,7 +103,17 @@ def _unread(content: aiohttp.StreamReader) -> Iterator[bytes]:
         yield piece
 
 
-def _fail_body_when_connection_closes(response: aiohttp.ClientResponse) -> None:
+_Watch = tuple["asyncio.Future[None]", Callable[["asyncio.Future[None]"], None]]
+
+
+def _retrieve(closed: asyncio.Future[None]) -> None:
+    """Mark a connection's `closed` future's exception as retrieved (it was created by our access;
+    unretrieved, asyncio would log it as an error when it is collected)."""
+    if not closed.cancelled():
+        closed.exception()
+
+
+def _fail_body_when_connection_closes(response: aiohttp.ClientResponse) -> _Watch | None:
     """Make a body read fail, not hang, when the connection closes before the body ended.
 
     aiohttp (3.14, C parser) answers a malformed chunk that arrives after the headers by closing
@@ -111,16 +121,18 @@ def _fail_body_when_connection_closes(response: aiohttp.ClientResponse) -> None:
     its read timeout: ``content.read()`` then waits forever (tests/test_upstream_clients.py,
     ``test_a_bad_chunk_after_the_headers_fails_the_read``). When the connection is lost, a body
     that is neither complete nor failed is failed here (public `ResponseHandler.closed` future).
+    Returns the (future, callback) to remove with `_unwatch` when the response is closed: a
+    pooled connection outlives many responses, and their callbacks must not pile up on it.
     """
     connection = response.connection
     protocol = connection.protocol if connection is not None else None
     if protocol is None:
-        return
+        return None
     content = response.content
 
     def on_closed(closed: asyncio.Future[None] | None = None) -> None:
-        if closed is not None and not closed.cancelled():
-            closed.exception()  # retrieved: aiohttp's own failure is reported through the body
+        if closed is not None:
+            _retrieve(closed)  # aiohttp's own failure is reported through the body
         if not content.is_eof() and content.exception() is None:
             content.set_exception(
                 aiohttp.ClientPayloadError("the upstream connection closed before the body ended")
@@ -129,8 +141,20 @@ def _fail_body_when_connection_closes(response: aiohttp.ClientResponse) -> None:
     closed = protocol.closed
     if closed is None:  # already lost
         on_closed()
-    else:
-        closed.add_done_callback(on_closed)
+        return None
+    closed.add_done_callback(on_closed)
+    return closed, on_closed
+
+
+def _unwatch(watch: _Watch | None) -> None:
+    """Remove a response's callback from its connection's `closed` future, leaving (at most one)
+    `_retrieve` there."""
+    if watch is None:
+        return
+    closed, on_closed = watch
+    closed.remove_done_callback(on_closed)
+    closed.remove_done_callback(_retrieve)
+    closed.add_done_callback(_retrieve)
 
 
 def _lower_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -163,7 +187,7 @@ class _AiohttpResponse:
         self._read_timeout = read_timeout
         self.status_code = response.status
         self.headers: Mapping[str, str] = _lower_headers(response.headers)
-        _fail_body_when_connection_closes(response)
+        self._watch = _fail_body_when_connection_closes(response)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         content = self._response.content
@@ -199,6 +223,8 @@ class _AiohttpResponse:
             return
         self._closed = True
         metrics.UPSTREAM_DURATION.observe(time.monotonic() - self._started)
+        _unwatch(self._watch)
+        self._watch = None
         if self._response.content.is_eof():
             self._response.release()  # the whole message was parsed: the connection is clean
         else:

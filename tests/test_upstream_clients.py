@@ -560,3 +560,59 @@ def test_http_client_request_lines_stay_out_of_the_info_log() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False", "False", "True", "True"]
+
+
+def test_a_pooled_connection_does_not_collect_callbacks_from_its_responses() -> None:
+    """The aiohttp client watches each response's connection for closing (a hang work-around);
+    a kept-alive connection serves many responses, and their watchers must not pile up on it."""
+    from middleware.upstream_aiohttp import AiohttpUpstream
+
+    body = b'{"id":"r","object":"response","status":"completed","output":[]}'
+    status = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = int(
+                next(
+                    v
+                    for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n"))
+                    if k.lower() == b"content-length"
+                )
+            )
+            await reader.readexactly(length)
+            # the body's last chunk comes later: the response is open (and watched) meanwhile
+            writer.write(status + b"%x\r\n%s\r\n" % (len(body), body))
+            await writer.drain()
+            await asyncio.sleep(0.002)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    async def main() -> tuple[int, int]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = AiohttpUpstream(f"http://127.0.0.1:{port}/v1")
+        futures = set()
+        try:
+            for _ in range(200):
+                response = await client.post("/responses", b"{}", stream=False)
+                assert response._watch is not None  # type: ignore[attr-defined]
+                assert b"".join(await read_all(response)) == body
+            session = client._session  # type: ignore[attr-defined]
+            assert session is not None
+            for proto in [c[0] for conns in session.connector._conns.values() for c in conns]:
+                futures.add(proto.closed)
+            callbacks = max(len(f._callbacks or ()) for f in futures if f is not None)  # CPython Future
+        finally:
+            await client.aclose()
+            server.close()
+            await server.wait_closed()
+        return len(futures), callbacks
+
+    connections, callbacks = run(main())
+    assert connections == 1  # all 200 on one kept-alive connection
+    assert callbacks <= 2  # not 200
