@@ -52,9 +52,15 @@ from middleware import metrics
 from middleware.admission import DRAIN, DrainState, ProcessPool, RequestReservation
 from middleware.auth import Authenticator
 from middleware.context import RequestContext
-from middleware.errors import GatewayError, InvalidRequest, envelope_bytes, error_headers, sse_error_frame
+from middleware.errors import (
+    GatewayError,
+    InvalidRequest,
+    envelope_bytes,
+    error_headers,
+    sse_error_frame,
+    with_request_id,
+)
 from middleware.models import ModelRouter
-from middleware.request_id import REQUEST_ID
 from middleware.upstream import UpstreamError
 from middleware.validate import validate_request
 
@@ -492,9 +498,7 @@ class _Guard:
         """Exactly one answer for `error`: JSON before commit, one SSE error frame after."""
         if self.finished:
             return
-        rid = REQUEST_ID.get()
-        if rid != "-" and "[request id" not in error.message:
-            error.message += f" [request id {rid}]"
+        error.message = with_request_id(error.message)
         field = LIMIT_OF_CODE.get(error.code)
         if field in self.lowered:
             header = next(name for name, f in LIMIT_HEADERS.items() if f == field).decode()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from middleware.request_id import REQUEST_ID
+
 
 class GatewayError(Exception):
     """Base of every failure the gateway reports to its client.
@@ -74,8 +76,18 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
+def with_request_id(message: str) -> str:
+    """`message` with `` [request id <id>]`` appended when a request id is set (once)."""
+    rid = REQUEST_ID.get()
+    if rid == "-" or "[request id" in message:
+        return message
+    return f"{message} [request id {rid}]"
+
+
 def envelope(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error envelope ``{"error": {"message", "type", "param", "code"}}``."""
+    """The OpenAI error envelope ``{"error": {"message", "type", "param", "code"}}``; the message
+    carries the request id (`with_request_id`), whichever route answers."""
+    message = with_request_id(message)
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 

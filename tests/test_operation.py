@@ -472,6 +472,22 @@ def test_request_ids_are_accepted_or_minted_and_named_in_errors(upstream: MockUp
     assert hostile.headers["x-request-id"].startswith("req_")
 
 
+def test_every_error_envelope_names_the_request_id(upstream: MockUpstream) -> None:
+    """Store routes, unknown URLs and wrong methods answer outside the budget middleware: their
+    error messages carry the request id too, exactly once."""
+    with gateway(upstream) as (url, _):
+        answers = [
+            httpx.get(url + "/v1/responses/resp_nope", headers={"x-request-id": "trace-7"}, timeout=10),
+            httpx.delete(url + "/v1/responses/resp_nope", headers={"x-request-id": "trace-7"}, timeout=10),
+            httpx.get(url + "/v1/nowhere", headers={"x-request-id": "trace-7"}, timeout=10),
+            httpx.get(url + "/v1/responses", headers={"x-request-id": "trace-7"}, timeout=10),
+        ]
+    assert [r.status_code for r in answers] == [404, 404, 404, 405]
+    for r in answers:
+        message = r.json()["error"]["message"]
+        assert message.endswith(" [request id trace-7]") and message.count("[request id") == 1, message
+
+
 # -- model routing ---------------------------------------------------------------------------------
 def test_two_models_routed_to_two_upstreams_with_their_own_limits() -> None:
     with MockUpstream() as a, MockUpstream() as b:
