@@ -37,7 +37,7 @@ from middleware.responses import ResponsesApp
 from middleware.state import GatewayState
 from middleware.store import Store, open_store
 from middleware.store_routes import store_routes
-from middleware.tools import McpServerConfig, ToolCatalog
+from middleware.tools import McpServerConfig, PoolLimits, ToolCatalog
 from middleware.upstream import HttpxUpstream, UpstreamClient, UpstreamError, upstream_status_error
 from middleware.upstream_aiohttp import AiohttpUpstream
 
@@ -134,6 +134,10 @@ def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
         allow_prefixes=settings.mcp_allow,
         list_ttl=settings.mcp_list_ttl,
         connect_timeout=settings.upstream_connect_timeout,
+        pool_limits=PoolLimits(
+            idle_timeout=settings.mcp_session_idle_timeout,
+            max_idle_per_server=settings.mcp_idle_sessions_per_server,
+        ),
     )
 
 

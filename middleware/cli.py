@@ -89,6 +89,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="URL prefix a client-declared MCP server_url must match; repeatable (default: none allowed)",
     )
     p.add_argument("--mcp-list-ttl", type=float, help="seconds a server's tools/list is cached (default 300)")
+    p.add_argument(
+        "--mcp-session-idle-timeout",
+        type=float,
+        help="seconds an unused pooled MCP session stays open (default 60)",
+    )
+    p.add_argument(
+        "--mcp-idle-sessions-per-server",
+        type=int,
+        help="idle MCP sessions kept per server, headers and caller (default 4; 0: no reuse)",
+    )
     p.add_argument("--tool-timeout", type=float, help="seconds one gateway tool call may take (default 60)")
     p.add_argument(
         "--tool-concurrency", type=int, help="gateway tool calls in flight per request (default 5)"

@@ -56,6 +56,8 @@ class Settings:
     mcp_server: tuple[str, ...] = ()
     mcp_allow: tuple[str, ...] = ()
     mcp_list_ttl: float = 300.0
+    mcp_session_idle_timeout: float = 60.0
+    mcp_idle_sessions_per_server: int = 4
     tool_timeout: float = 60.0
     tool_concurrency: int = 5
     tool_max_result_bytes: int = 262_144
@@ -102,6 +104,10 @@ class Settings:
             raise ConfigError(
                 f"memory_pressure_threshold must be in (0, 1], got {self.memory_pressure_threshold}"
             )
+        if not 0 <= self.mcp_idle_sessions_per_server <= 64:
+            raise ConfigError(
+                f"mcp_idle_sessions_per_server must be in 0..=64, got {self.mcp_idle_sessions_per_server}"
+            )
         if not 1 <= self.tool_concurrency <= 100:
             raise ConfigError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
         if not 1 <= self.tool_max_result_bytes <= 268_435_456:
@@ -119,6 +125,7 @@ class Settings:
             "client_body_timeout",
             "keepalive_interval",
             "mcp_list_ttl",
+            "mcp_session_idle_timeout",
             "tool_timeout",
             "retry_after",
             "request_deadline",

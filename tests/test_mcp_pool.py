@@ -928,3 +928,35 @@ def test_callers_with_different_api_keys_never_share_a_session() -> None:
         # second request reuses its own session
         assert wire.count("tools/call") == 3
         assert wire.sessions_opened() == 3
+
+
+def test_pool_limits_are_settings() -> None:
+    from middleware.app import build_catalog
+    from middleware.config import ConfigError, Settings, load_settings
+
+    catalog = build_catalog(Settings(mcp_session_idle_timeout=5.0, mcp_idle_sessions_per_server=0))
+    assert (catalog.pool.limits.idle_timeout, catalog.pool.limits.max_idle_per_server) == (5.0, 0)
+    env = {"LOOPWARDEN_MCP_IDLE_SESSIONS_PER_SERVER": "65"}
+    with pytest.raises(ConfigError, match=r"mcp_idle_sessions_per_server must be in 0\.\.=64, got 65"):
+        load_settings({}, env)
+    with pytest.raises(ConfigError, match="mcp_session_idle_timeout must be a positive number of seconds"):
+        load_settings({"mcp_session_idle_timeout": 0}, {})
+
+
+def test_no_idle_sessions_means_a_session_per_round() -> None:
+    """--mcp-idle-sessions-per-server 0: nothing is kept between rounds (the pre-pool behaviour)."""
+    probe = Probe()
+    with served(probe) as server, MockUpstream() as upstream:
+        wire = server.wire
+        assert wire is not None
+        upstream.push(
+            Reply.json(response_obj([FC("c1", "echo", '{"tag": "a"}')])),
+            Reply.json(response_obj([FC("c2", "echo", '{"tag": "b"}')])),
+            Reply.json(response_obj([message_item("done")])),
+        )
+        settings = {"mcp_server": (f"tools={server.url}",), "mcp_idle_sessions_per_server": 0}
+        with gateway(upstream, max_retained_bytes=4 << 20, **settings) as (url, _), sdk(url) as client:
+            response = client.responses.create(model="m", input="look", tools=[mcp_tool()])  # type: ignore[list-item]
+            assert response.status == "completed"
+        assert wire.count("tools/call") == 2
+        assert wire.sessions_opened() == 3  # the listing's, then one per round
