@@ -556,7 +556,7 @@ class ToolCatalog:
         with anyio.fail_after(self.connect_timeout):
             for attempt in range(2):
                 try:
-                    lease = await self.pool.acquire(endpoint)
+                    lease = await self.pool.acquire(endpoint, fresh=attempt > 0)
                 except SessionUnavailable as exc:
                     raise exc.cause or exc from None
                 try:

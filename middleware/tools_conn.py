@@ -426,9 +426,9 @@ def _failure_response(request: httpx2.Request, message: str, *, not_run: bool) -
     return httpx2.Response(502, json={"jsonrpc": "2.0", "id": None, "error": error}, request=request)
 
 
-async def _small_json_error(response: httpx2.Response, limit: int = 65_536) -> dict[str, Any] | None:
-    """The JSON-RPC ``error`` object of an uncompressed JSON `response` of at most `limit` bytes,
-    else None; the response is read (up to `limit` bytes) and closed either way."""
+async def _small_json_body(response: httpx2.Response, limit: int = 65_536) -> dict[str, Any] | None:
+    """The JSON object of an uncompressed JSON `response` of at most `limit` bytes, else None; the
+    response is read (up to `limit` bytes) and closed either way."""
     body = b""
     try:
         kind = response.headers.get("content-type", "").lower()
@@ -443,10 +443,10 @@ async def _small_json_error(response: httpx2.Response, limit: int = 65_536) -> d
     finally:
         await response.aclose()
     try:
-        error = json.loads(body).get("error")
-    except (ValueError, AttributeError):
+        parsed = json.loads(body)
+    except ValueError:
         return None
-    return error if isinstance(error, dict) else None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def call_not_run(exc: BaseException) -> bool:
@@ -553,10 +553,21 @@ class _GatewayTransport(httpx2.AsyncBaseTransport):
             )
             return _failure_response(request, message, not_run=not_sent)
         if response.status_code == 404 and "mcp-session-id" in request.headers and request.method != "DELETE":
-            answer = await _small_json_error(response)
-            if answer is not None and answer.get("code") == METHOD_NOT_FOUND:
+            body = await _small_json_body(response)
+            answer = body.get("error") if body is not None else None
+            if isinstance(answer, dict) and answer.get("code") == METHOD_NOT_FOUND:
                 return httpx2.Response(
                     404, json={"jsonrpc": "2.0", "id": None, "error": answer}, request=request
+                )
+            if request.method == "POST" and body is not None and body.get("id") is not None:
+                # An answer to this very request (its id), not the session layer's refusal (the
+                # SDK's "Session not found" carries id null): the server's dispatcher saw the
+                # request, so it may have run — never proof that it did not.
+                self._health.fail("the server answered HTTP 404 to a request on the session")
+                return _failure_response(
+                    request,
+                    "the MCP server answered the request with HTTP 404; it may have been run",
+                    not_run=False,
                 )
             self._health.fail("the server answered 404 for the session (it expired or the server restarted)")
             if request.method == "POST":
@@ -1011,9 +1022,12 @@ class SessionPool:
             return loop_pool
 
     async def acquire(
-        self, endpoint: Endpoint, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self, endpoint: Endpoint, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, fresh: bool = False
     ) -> Lease:
         """A `Lease` on an open session to `endpoint` (`open_session`'s `max_message_bytes`).
+        ``fresh``: on a session opened for this call, never one opened before (the retry of a call
+        that was not run: the pooled siblings of a session the server forgot are likely forgotten
+        too, e.g. after a restart).
 
         Waits for a session being opened (by this call or another) at most `connect_timeout`
         seconds. Raises `SessionUnavailable` when opening fails or the pool is closed; a
@@ -1024,7 +1038,7 @@ class SessionPool:
         loop_pool = self._loop_pool()
         key = _pool_key(endpoint, max_message_bytes)
         for _ in range(3):
-            entry = loop_pool.pick(key)
+            entry = None if fresh else loop_pool.pick(key)
             if entry is None:
                 entry = loop_pool.open(key, endpoint, max_message_bytes)
             lease = Lease(entry, reused=entry.state == "open")
@@ -1063,6 +1077,10 @@ class SessionPool:
                     self._count("opened")
                     entry.idle_since = time.monotonic()
                     entry.ready.set()
+                    if entry.leases == 0 and entry.state == "open":
+                        # every caller that waited for it went away (cancelled): it is idle now,
+                        # and the idle bounds apply to it as to any other
+                        entry.loop_pool.became_idle(entry)
                     try:
                         await self._serve(entry)
                     finally:

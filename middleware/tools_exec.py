@@ -209,7 +209,9 @@ class _Runner:
         endpoint = self.resolved.endpoint(label)
         for attempt in range(2):
             try:
-                lease = await self.pool.acquire(endpoint, max_message_bytes=self.max_message)
+                lease = await self.pool.acquire(
+                    endpoint, max_message_bytes=self.max_message, fresh=attempt > 0
+                )
             except SessionUnavailable as exc:
                 unavailable = _ServerUnavailable(label, exc)
                 log.warning("%s", unavailable)

@@ -960,3 +960,115 @@ def test_no_idle_sessions_means_a_session_per_round() -> None:
             assert response.status == "completed"
         assert wire.count("tools/call") == 2
         assert wire.sessions_opened() == 3  # the listing's, then one per round
+
+
+# --- review regressions (adversarial review of the pool) --------------------------------------------------
+
+
+def test_the_retry_after_a_restart_opens_a_fresh_session_not_a_pooled_sibling() -> None:
+    """Two call sessions are pooled; the server forgets both (a restart): the first call gets a
+    404 on one, and its one retry must go to a NEW session, not to the other forgotten one."""
+    probe = Probe()
+    with served(probe, legacy=True) as server:
+        catalog = http_catalog(server)
+        wire = server.wire
+        assert wire is not None
+
+        async def scenario() -> list[str]:
+            resolved = await catalog.resolve([mcp_tool()])
+            # 20 concurrent calls > 16 per session: two call sessions, both idle afterwards
+            calls = [call(f"c{i}", "sleep", json.dumps({"tag": f"w{i}", "seconds": 0.3})) for i in range(20)]
+            assert all(
+                o.ok for o in await run_tool_calls(resolved, calls, ledger=FakeLedger(), concurrency=20)
+            )
+            assert catalog.pool.stats().idle >= 2
+            wire.forget()
+            probe.reset()
+            outcomes = []
+            for i in range(2):
+                [outcome] = await run_tool_calls(
+                    resolved, [call(f"x{i}", "echo", json.dumps({"tag": f"after{i}"}))], ledger=FakeLedger()
+                )
+                outcomes.append(outcome.outcome)
+            await catalog.aclose()
+            return outcomes
+
+        assert asyncio.run(scenario()) == ["ok", "ok"]
+        assert probe.names() == ["after0", "after1"]  # each ran exactly once
+
+
+def test_a_404_that_answers_the_request_itself_is_not_proof_it_did_not_run() -> None:
+    """Only the session layer's refusal (no body, or a JSON-RPC error with id null, as the SDK's
+    "Session not found") proves a call was not run; a 404 carrying the request's own id came from
+    the server's dispatcher: reported as a failure that may have run, never sent again."""
+    import httpx2
+
+    from middleware.tools_conn import SessionHealth, _GatewayTransport, call_not_run
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        rpc = json.loads(request.content)
+        body = request.headers["x-body"]
+        if body == "own-id":
+            return httpx2.Response(
+                404, json={"jsonrpc": "2.0", "id": rpc["id"], "error": {"code": -32002, "message": "x"}}
+            )
+        if body == "null-id":
+            return httpx2.Response(
+                404,
+                json={
+                    "jsonrpc": "2.0",
+                    "id": None,
+                    "error": {"code": -32001, "message": "Session not found"},
+                },
+            )
+        return httpx2.Response(404)
+
+    async def one(kind: str) -> tuple[bool, bool]:
+        health = SessionHealth()
+        health.established = True
+        transport = _GatewayTransport(1 << 20, health=health, close_timeout=1.0)
+        transport._inner = httpx2.MockTransport(answer)  # type: ignore[assignment]
+        request = httpx2.Request(
+            "POST",
+            "http://mcp.test/mcp",
+            headers={"mcp-session-id": "s1", "content-type": "application/json", "x-body": kind},
+            content=json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call"}).encode(),
+        )
+        response = await transport.handle_async_request(request)
+        error = json.loads(await response.aread())["error"]
+        from mcp.shared.exceptions import MCPError
+
+        not_run = call_not_run(MCPError(error["code"], error["message"], error.get("data")))
+        return not_run, health.failure is not None
+
+    assert asyncio.run(one("own-id")) == (False, True)
+    assert asyncio.run(one("null-id")) == (True, True)
+    assert asyncio.run(one("empty")) == (True, True)
+
+
+def test_sessions_whose_openers_went_away_obey_the_idle_bounds() -> None:
+    """Callers cancelled while their session was still opening leave it idle: the idle bounds
+    (max_idle, max_idle_per_server) apply to it like any other, not only the idle timeout."""
+    probe = Probe()
+    with served(probe) as server:
+
+        async def main() -> tuple[int, int]:
+            pool = SessionPool(PoolLimits(max_idle=8, max_idle_per_server=1), connect_timeout=5.0)
+
+            async def opener(i: int) -> None:
+                task = asyncio.create_task(pool.acquire(Endpoint(url=server.url, headers={"x-k": str(i)})))
+                await asyncio.sleep(0.001)
+                task.cancel()
+
+            await asyncio.gather(*(opener(i) for i in range(40)))
+            deadline = time.monotonic() + 10
+            while pool.stats().opened + pool.stats().failed < 40 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            stats = pool.stats()
+            await pool.aclose()
+            return stats.opened, stats.idle
+
+        opened, idle = asyncio.run(main())
+        assert opened == 40
+        assert idle <= 8
