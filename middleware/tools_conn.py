@@ -1044,7 +1044,17 @@ class SessionPool:
             lease = Lease(entry, reused=entry.state == "open")
             if not entry.ready.is_set():
                 try:
-                    await entry.ready.wait()
+                    async with asyncio.timeout(self.connect_timeout):
+                        await entry.ready.wait()
+                except TimeoutError:
+                    # Not waiting for the owner to tear the half-open session down (a stdio
+                    # server's shutdown takes seconds): it gets no new leases and closes alone.
+                    entry.retire()
+                    lease.release()
+                    raise SessionUnavailable(
+                        "opening an MCP session failed",
+                        TimeoutError(f"no MCP session within {self.connect_timeout:g}s"),
+                    ) from None
                 except BaseException:
                     lease.release()
                     raise

@@ -1072,3 +1072,22 @@ def test_sessions_whose_openers_went_away_obey_the_idle_bounds() -> None:
         opened, idle = asyncio.run(main())
         assert opened == 40
         assert idle <= 8
+
+
+def test_acquire_is_bounded_by_the_connect_timeout_not_the_stdio_teardown() -> None:
+    """A stdio server that never answers initialize: acquire gives up after connect_timeout; it
+    does not wait for the SDK's stdio shutdown (stdin closed, 2 s, SIGTERM, ...) to finish."""
+
+    async def main() -> tuple[float, str, int]:
+        pool = SessionPool(connect_timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(SessionUnavailable) as info:
+            await pool.acquire(Endpoint(command=[sys.executable, "-c", "import time; time.sleep(100)"]))
+        took = time.monotonic() - started
+        await pool.aclose()  # the owner's teardown ends here, with the process
+        return took, repr(info.value.cause), pool.stats().open
+
+    took, cause, still_open = asyncio.run(main())
+    assert took < 2.0  # was >= 2.5 s: 0.5 s + the SDK's 2 s wait before SIGTERM (generous bound)
+    assert "no MCP session within 0.5s" in cause
+    assert still_open == 0
