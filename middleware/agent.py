@@ -42,7 +42,7 @@ from middleware.loop import (
     classify_round,
 )
 from middleware.outbox import Outbox
-from middleware.sse import KEEPALIVE, encode_event
+from middleware.sse import encode_event
 from middleware.state import GatewayState
 from middleware.store import RESPONSE_STATUSES, StoredResponse
 from middleware.stream import (
@@ -472,9 +472,7 @@ class AgentLoop:
                 done, _ = await asyncio.wait({task}, timeout=self.state.settings.keepalive_interval)
                 if done:
                     return task.result()
-                if self.ctx.committed:
-                    await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
-                    await self.send.flush()
+                await self.send.keepalive()
         finally:
             if not task.done():
                 task.cancel()
@@ -653,7 +651,7 @@ class AgentLoop:
         events = read_stream_events(
             response,
             self.ctx.ledger,
-            keepalive=self._keepalive,
+            keepalive=self.send.keepalive,
             keepalive_interval=self.state.settings.keepalive_interval,
             idle=self.send.flush,
             last_sent=self.send.last_sent,
@@ -676,11 +674,6 @@ class AgentLoop:
         terminal, output = {**acc.terminal, "status": status}, acc.output()
         self._round_acc = acc  # released once the round's kept items are recorded
         return terminal, output
-
-    async def _keepalive(self) -> None:
-        if self.ctx.committed:
-            await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
-            await self.send.flush()
 
 
 class StreamStitcher:

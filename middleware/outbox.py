@@ -26,6 +26,8 @@ import asyncio
 
 from starlette.types import Message, Send
 
+from middleware.sse import KEEPALIVE
+
 FLUSH_BYTES = 64 * 1024  # buffered frame bytes that trigger a flush without waiting
 
 
@@ -36,7 +38,7 @@ class Outbox:
     what is buffered now. Raises whatever the wrapped ``send`` raises.
     """
 
-    __slots__ = ("_first", "_frames", "_loop", "_send", "_sent_at", "_size", "flush_bytes")
+    __slots__ = ("_first", "_frames", "_loop", "_send", "_sent_at", "_size", "_started", "flush_bytes")
 
     def __init__(self, send: Send, *, flush_bytes: int = FLUSH_BYTES) -> None:
         self._loop = asyncio.get_running_loop()
@@ -45,6 +47,7 @@ class Outbox:
         self._frames: list[bytes] = []
         self._size = 0
         self._first = True  # the stream's first frame goes out at once (time to first event)
+        self._started = False  # http.response.start went out (the response is committed)
         self.flush_bytes = flush_bytes
 
     def last_sent(self) -> float:
@@ -54,6 +57,14 @@ class Outbox:
     async def _write(self, message: Message) -> None:
         self._sent_at = self._loop.time()
         await self._send(message)
+
+    async def keepalive(self) -> None:
+        """Send what is buffered and a ``: keep-alive`` comment now, if the response is committed
+        (before that there is no stream to keep alive: nothing is sent)."""
+        if self._started:
+            self._frames.append(KEEPALIVE)
+            self._size += len(KEEPALIVE)
+            await self.flush()
 
     @property
     def pending(self) -> int:
@@ -82,6 +93,8 @@ class Outbox:
             await self._write(message)
             return
         await self.flush()
+        if message["type"] == "http.response.start":
+            self._started = True
         await self._write(message)
 
     async def flush(self) -> None:

@@ -24,7 +24,7 @@ from middleware.budget_mw import context_of
 from middleware.context import RequestContext
 from middleware.errors import GatewayError
 from middleware.outbox import Outbox
-from middleware.sse import KEEPALIVE, encode_event
+from middleware.sse import encode_event
 from middleware.state import GatewayState
 from middleware.stream import (
     TERMINAL_EVENTS,
@@ -137,16 +137,11 @@ class _Exchange:
         await self.send({"type": "http.response.body", "body": raw})
 
     # -- streamed ------------------------------------------------------------------------------
-    async def _keepalive(self) -> None:
-        if self.ctx.committed:
-            await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
-            await self.send.flush()
-
     def _events(self, response: UpstreamResponse) -> Any:
         return read_stream_events(
             response,
             self.ctx.ledger,
-            keepalive=self._keepalive,
+            keepalive=self.send.keepalive,
             keepalive_interval=self.state.settings.keepalive_interval,
             idle=self.send.flush,
             last_sent=self.send.last_sent,

@@ -63,6 +63,23 @@ def test_a_full_buffer_flushes_without_waiting() -> None:
     assert [m["body"] for m in rec.messages] == [b"first", b"123412341234"]  # 12 >= 10; 8 still held
 
 
+def test_keepalive_is_sent_only_once_committed_and_after_what_is_buffered() -> None:
+    async def main() -> Recorder:
+        rec = Recorder()
+        out = Outbox(rec)
+        await out.keepalive()  # nothing committed yet: no stream to keep alive
+        assert rec.messages == []
+        await out({"type": "http.response.start", "status": 200, "headers": []})
+        await out({"type": "http.response.body", "body": b"first", "more_body": True})
+        await out({"type": "http.response.body", "body": b"held", "more_body": True})
+        await out.keepalive()
+        return rec
+
+    rec = asyncio.run(main())
+    bodies = [(m["body"], m["more_body"]) for m in rec.messages[1:]]
+    assert bodies == [(b"first", True), (b"held: keep-alive\n\n", True)]
+
+
 def _chunks(parts: list[bytes], gaps: float = 0.0) -> Any:
     class Response:
         status_code = 200
