@@ -177,21 +177,22 @@ class _KeepaliveTimer:
             self._handle = None
             self.arm()
 
-    async def disarm(self) -> None:
+    def _stop(self) -> asyncio.Task[None] | None:
+        """No further keep-alives; returns the one in progress (if any) for the caller to settle."""
         self._armed = False
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
         task, self._task = self._task, None
+        return task
+
+    async def disarm(self) -> None:
+        task = self._stop()
         if task is not None:
             await task
 
     def cancel(self) -> None:
-        self._armed = False
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        task, self._task = self._task, None
+        task = self._stop()
         if task is not None:
             if not task.done():
                 task.cancel()
