@@ -121,6 +121,31 @@ def _translate(exc: httpx.HTTPError, *, during: str, timeouts: httpx.Timeout) ->
     return UpstreamError(f"upstream request failed: {exc}")
 
 
+class CallTiming:
+    """The timing metrics of one upstream call, each observed once: ``first_byte()`` at the first
+    body byte (``loopwarden_upstream_ttfb_seconds``), ``done()`` when the response is closed
+    (``loopwarden_upstream_duration_seconds``; True the first time). ``started``: monotonic seconds."""
+
+    __slots__ = ("_done", "_first_byte", "_started")
+
+    def __init__(self, started: float) -> None:
+        self._started = started
+        self._first_byte = False
+        self._done = False
+
+    def first_byte(self) -> None:
+        if not self._first_byte:
+            self._first_byte = True
+            metrics.UPSTREAM_TTFB.observe(time.monotonic() - self._started)
+
+    def done(self) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        metrics.UPSTREAM_DURATION.observe(time.monotonic() - self._started)
+        return True
+
+
 class _HttpxResponse:
     """`UpstreamResponse` over an httpx streaming response, with the whole-call deadline."""
 
@@ -128,9 +153,7 @@ class _HttpxResponse:
         self, response: httpx.Response, deadline: float, timeouts: httpx.Timeout, started: float
     ) -> None:
         self._response = response
-        self._started = started
-        self._first_byte = False
-        self._closed = False
+        self._timing = CallTiming(started)
         self._deadline = deadline
         self._timeouts = timeouts
         self.status_code = response.status_code
@@ -151,15 +174,11 @@ class _HttpxResponse:
             except httpx.HTTPError as exc:
                 raise _translate(exc, during="body", timeouts=self._timeouts) from None
             if chunk:
-                if not self._first_byte:
-                    self._first_byte = True
-                    metrics.UPSTREAM_TTFB.observe(time.monotonic() - self._started)
+                self._timing.first_byte()
                 yield chunk
 
     async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            metrics.UPSTREAM_DURATION.observe(time.monotonic() - self._started)
+        self._timing.done()
         await self._response.aclose()
 
 

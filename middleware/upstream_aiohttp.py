@@ -19,9 +19,9 @@ import aiohttp
 import httpx
 from aiohttp.http_exceptions import HttpProcessingError
 
-from middleware import metrics
 from middleware.request_id import REQUEST_ID
 from middleware.upstream import (
+    CallTiming,
     HttpxUpstream,
     UpstreamConnectError,
     UpstreamDecodeError,
@@ -179,9 +179,7 @@ class _AiohttpResponse:
         started: float,
     ) -> None:
         self._response = response
-        self._started = started
-        self._first_byte = False
-        self._closed = False
+        self._timing = CallTiming(started)
         self._deadline = deadline
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
@@ -206,23 +204,16 @@ class _AiohttpResponse:
                 raise UpstreamTimeout(DEADLINE_MESSAGE, phase="deadline") from None
             if not chunk:
                 return
-            self._observe_first_byte()
+            self._timing.first_byte()
             yield chunk
         for chunk in _unread(content):  # what came before the failure, as httpx hands it over
-            self._observe_first_byte()
+            self._timing.first_byte()
             yield chunk
         raise failure
 
-    def _observe_first_byte(self) -> None:
-        if not self._first_byte:
-            self._first_byte = True
-            metrics.UPSTREAM_TTFB.observe(time.monotonic() - self._started)
-
     async def aclose(self) -> None:
-        if self._closed:
+        if not self._timing.done():
             return
-        self._closed = True
-        metrics.UPSTREAM_DURATION.observe(time.monotonic() - self._started)
         _unwatch(self._watch)
         self._watch = None
         if self._response.content.is_eof():
