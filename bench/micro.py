@@ -4,13 +4,13 @@ Usage: ``python bench/micro.py [--repeat N]``
 
 Everything runs in this one process, side by side, best of ``--repeat``:
 
-1. `middleware.sse.SSEParser` against `LinearSSEParser` (a prototype in this file: same events,
+1. `middleware.upstream.sse.SSEParser` against `LinearSSEParser` (a prototype in this file: same events,
    same ``pending``, but the unfinished line is kept in a ``bytearray`` and only the new bytes are
    scanned for line ends) on the 1 MiB text stream and the 100-event stream of `bench/upstream.py`,
-   fed in 4 KiB slices as `middleware.stream.read_stream_events` does. The two parsers are first
+   fed in 4 KiB slices as `middleware.upstream.reader.read_stream_events` does. The two parsers are first
    checked to give identical events and ``pending`` on every prefix of tricky input.
 2. What awaiting one upstream chunk costs in `read_stream_events` (a task + ``asyncio.wait`` per
-   chunk for the keep-alive timer) and in `middleware.upstream._HttpxResponse.chunks`
+   chunk for the keep-alive timer) and in `middleware.upstream.httpx_client._HttpxResponse.chunks`
    (``asyncio.timeout_at`` per chunk), against a plain ``async for``.
 3. The synchronous per-event work of the streamed pass-through (ledger charges, SSE parse, node
    count, ``json.loads``, type check, accumulator, re-encoding the frame): the floor of what
@@ -34,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import upstream
 
 from budget import Ledger
-from middleware.sse import SSEEvent, SSEParser
+from middleware.upstream.sse import SSEEvent, SSEParser
 
 SLICE = 4096
 
 
 class LinearSSEParser:
-    """Prototype of the fix for `middleware.sse.SSEParser.feed` being quadratic in the length of a
+    """Prototype of the fix for `middleware.upstream.sse.SSEParser.feed` being quadratic in the length of a
     line: the unfinished line is held here in a ``bytearray`` (appending is amortised
     O(len(chunk)), where ``self._buf + chunk`` copies the whole buffer every time) and only the new
     bytes are searched for a line end; the wrapped `SSEParser` is handed whole lines only, so its
@@ -203,9 +203,9 @@ def per_event_work(repeat: int) -> None:
     """The pass-through's synchronous work per event, as read_stream_events + _forward_stream do it."""
     import re
 
-    from middleware import stream
-    from middleware.sse import encode_event
-    from middleware.stream import StreamAccumulator, UpstreamEvent
+    from middleware.upstream import reader as stream
+    from middleware.upstream.reader import StreamAccumulator, UpstreamEvent
+    from middleware.upstream.sse import encode_event
 
     event_type = getattr(stream, "EVENT_TYPE", re.compile(r"[A-Za-z0-9_.:-]{1,128}"))
 

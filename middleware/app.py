@@ -3,7 +3,7 @@
 `create_app(settings)` returns a Starlette app serving ``POST /v1/responses`` (buffered and
 ``"stream": true``; `ResponsesApp` wrapped in `BudgetMiddleware`), ``GET /healthz`` and
 ``GET /metrics``. The upstream HTTP client is created in the lifespan (one per process). Without
-``settings.upstream`` the lifespan starts the embedded development model (`middleware.devmodel`)
+``settings.upstream`` the lifespan starts the embedded development model (`middleware.dev.devmodel`)
 on a loopback port and uses it as the upstream.
 """
 
@@ -24,22 +24,33 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from middleware import metrics
-from middleware.admission import DRAIN, ProcessPool, default_pool_bytes, install_drain_hook, memory_pressure
-from middleware.auth import Authenticator
-from middleware.budget_mw import BudgetMiddleware
+from middleware.asgi.auth import Authenticator
+from middleware.asgi.guard import BudgetMiddleware
+from middleware.asgi.models import ModelRouter
 from middleware.config import Settings
-from middleware.embedded import BackgroundServer
+from middleware.dev.embedded import BackgroundServer
 from middleware.errors import GatewayError, envelope_bytes, error_headers, redact, register_secret
-from middleware.models import ModelRouter
-from middleware.request_id import RequestIdMiddleware
-from middleware.responses import ResponsesApp
+from middleware.loop.app import ResponsesApp
+from middleware.ops import metrics
+from middleware.ops.admission import (
+    DRAIN,
+    ProcessPool,
+    default_pool_bytes,
+    install_drain_hook,
+    memory_pressure,
+)
+from middleware.ops.request_id import RequestIdMiddleware
 from middleware.state import GatewayState
-from middleware.store import Store, open_store
-from middleware.store_routes import store_routes
-from middleware.tools import McpServerConfig, PoolLimits, ToolCatalog
-from middleware.upstream import HttpxUpstream, UpstreamClient, UpstreamError, upstream_status_error
-from middleware.upstream_aiohttp import AiohttpUpstream
+from middleware.store.routes import store_routes
+from middleware.store.store import Store, open_store
+from middleware.tools.catalog import McpServerConfig, PoolLimits, ToolCatalog
+from middleware.upstream.aiohttp_client import AiohttpUpstream
+from middleware.upstream.httpx_client import (
+    HttpxUpstream,
+    UpstreamClient,
+    UpstreamError,
+    upstream_status_error,
+)
 
 log = logging.getLogger("loopwarden")
 
@@ -126,7 +137,7 @@ def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
         label, _, url = entry.partition("=")
         servers.append(McpServerConfig(label=label, url=url))
     if demo and not any(server.label == "demo" for server in servers):
-        from middleware.demo_tools import create_demo_server
+        from middleware.dev.demo_tools import create_demo_server
 
         servers.append(McpServerConfig(label="demo", app=create_demo_server()))
     return ToolCatalog(
@@ -176,7 +187,7 @@ def create_app(
         devmodel: BackgroundServer | None = None
         base_url = settings.upstream
         if base_url is None:
-            from middleware.devmodel import create_devmodel_app
+            from middleware.dev.devmodel import create_devmodel_app
 
             devmodel = BackgroundServer(create_devmodel_app())
             base_url = (await asyncio.to_thread(devmodel.start)) + "/v1"

@@ -17,9 +17,9 @@ from typing import Any
 
 import uvicorn
 
-from middleware.admission import install_drain_hook
 from middleware.config import ConfigError, load_settings
-from middleware.request_id import log_config
+from middleware.ops.admission import install_drain_hook
+from middleware.ops.request_id import log_config
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "capacity":
-        from middleware.capacity import CapacityError, report
+        from middleware.ops.capacity import CapacityError, report
 
         try:
             print(report(args.prometheus, window=args.window, plot=args.plot))
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     if args.command == "devmodel":
-        from middleware.devmodel import create_devmodel_app
+        from middleware.dev.devmodel import create_devmodel_app
 
         uvicorn.run(create_devmodel_app(), host=args.host, port=args.port, log_level="info")
         return 0

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from budget import Limits
-from middleware.models import ModelConfigError, ModelRoute, parse_models
+from middleware.asgi.models import ModelConfigError, ModelRoute, parse_models
 
 ENV_PREFIX = "LOOPWARDEN_"
 

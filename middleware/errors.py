@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from middleware.request_id import REQUEST_ID
+from middleware.ops.request_id import REQUEST_ID
 
 
 class GatewayError(Exception):

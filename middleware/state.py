@@ -6,12 +6,12 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from middleware.config import Settings
-from middleware.upstream import UpstreamClient
+from middleware.upstream.httpx_client import UpstreamClient
 
 if TYPE_CHECKING:
-    from middleware.admission import ProcessPool
-    from middleware.store import Store
-    from middleware.tools import ToolCatalog
+    from middleware.ops.admission import ProcessPool
+    from middleware.store.store import Store
+    from middleware.tools.catalog import ToolCatalog
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from middleware.embedded import BackgroundServer
+from middleware.dev.embedded import BackgroundServer
 
 
 @contextlib.contextmanager

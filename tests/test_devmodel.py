@@ -19,7 +19,13 @@ from openai import OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from middleware.devmodel import GREETING, build_response, create_devmodel_app, parse_request, response_events
+from middleware.dev.devmodel import (
+    GREETING,
+    build_response,
+    create_devmodel_app,
+    parse_request,
+    response_events,
+)
 from tests.servers import serve_asgi
 
 GET_TIME: Any = {

@@ -33,8 +33,8 @@ from starlette.types import Receive, Scope, Send
 
 from middleware.app import create_app
 from middleware.config import Settings
-from middleware.embedded import BackgroundServer
-from middleware.sse import SSEParser
+from middleware.dev.embedded import BackgroundServer
+from middleware.upstream.sse import SSEParser
 from tests.helpers import (
     DONE,
     FC,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from middleware.loop import (
+from middleware.loop.decision import (
     Continue,
     Done,
     Incomplete,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dashboards import queries
-from middleware import metrics
+from middleware.ops import metrics
 
 
 def test_buckets_match_the_dashboards() -> None:

@@ -20,11 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from middleware.admission import DRAIN, ProcessPool
 from middleware.app import create_app
-from middleware.auth import owner_of_key
+from middleware.asgi.auth import owner_of_key
 from middleware.config import Settings
-from middleware.store import open_store
+from middleware.ops.admission import DRAIN, ProcessPool
+from middleware.store.store import open_store
 from tests.helpers import (
     DONE,
     PRE,

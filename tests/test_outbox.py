@@ -14,8 +14,8 @@ import pytest
 from starlette.types import Message
 
 from budget import Ledger
-from middleware.outbox import Outbox
-from middleware.stream import read_stream_events
+from middleware.asgi.client_stream import Outbox
+from middleware.upstream.reader import read_stream_events
 from tests.helpers import DONE, PRE, gateway, message_item, sdk, sse_events, text_delta
 from tests.mock_upstream import E, MockUpstream, Reply
 
@@ -213,7 +213,7 @@ def test_frames_buffered_when_the_deadline_fires_precede_its_error_frame(
 ) -> None:
     """The deadline (or the drain) cancels the request while frames sit in the Outbox (here: the
     final save is slow): the middleware flushes them before its error frame, numbered 0..N."""
-    from middleware import store as store_module
+    from middleware.store import store as store_module
 
     original = store_module.Store.save_response
 

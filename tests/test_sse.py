@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from middleware.sse import SSEDecodeError, SSEEvent, SSEParser, encode_event
+from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser, encode_event
 
 
 def parse_full(chunks: list[bytes]) -> list[SSEEvent]:
@@ -175,7 +175,7 @@ def test_a_long_line_in_many_chunks_is_scanned_once(monkeypatch: pytest.MonkeyPa
     a 1 MiB line arrives in (a quadratic parser blocked the event loop for seconds)."""
     import re
 
-    import middleware.sse as sse
+    import middleware.upstream.sse as sse
 
     scanned = [0]
 
@@ -240,7 +240,7 @@ def test_the_lf_fast_path_matches_the_line_by_line_parser(lines: list[bytes], cu
 def test_a_long_lf_line_in_many_chunks_is_copied_about_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The LF fast path copies the buffer only when a line end arrived: a 1 MiB line fed in 4 KiB
     chunks is copied about once, not once per chunk."""
-    import middleware.sse as sse
+    import middleware.upstream.sse as sse
 
     copied = [0]
 

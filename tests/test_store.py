@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-import middleware.store as store_module
+import middleware.store.store as store_module
 from budget import count_json_nodes
-from middleware.store import (
+from middleware.store.backends import single
+from middleware.store.store import (
     ChainInfo,
     ConversationNotFound,
     DuplicateId,
@@ -30,7 +31,6 @@ from middleware.store import (
     encode_json,
     open_store,
 )
-from middleware.store_backends import single
 from tests.pg import PgServer, PostgresMissing, running_postgres
 
 BACKENDS = ["memory", "sqlite", "postgresql"]

@@ -199,7 +199,7 @@ def test_history_too_large_is_413_without_decoding_any_row(
     ):
         r1 = client.responses.create(model="m", input="a" * 20_000)
         r2 = client.responses.create(model="m", input="b" * 20_000, previous_response_id=r1.id)
-        from middleware import store as store_module
+        from middleware.store import store as store_module
 
         decoded: list[object] = []
         real = store_module._loads

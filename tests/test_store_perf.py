@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-import middleware.store as store_module
-from middleware.store import Store, StoredResponse, open_store
-from middleware.store_backends import SqliteBackend, single
+import middleware.store.store as store_module
+from middleware.store.backends import SqliteBackend, single
+from middleware.store.store import Store, StoredResponse, open_store
 
 
 @pytest.fixture(params=["memory", "sqlite"])

@@ -24,8 +24,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from middleware.store import Store, StoredResponse, open_store
-from middleware.store_routes import MAX_BODY_BYTES, store_routes
+from middleware.store.routes import MAX_BODY_BYTES, store_routes
+from middleware.store.store import Store, StoredResponse, open_store
 from tests.helpers import raw_http, response_json
 from tests.servers import serve_asgi
 

@@ -23,11 +23,17 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from budget import BudgetExceeded, Ledger
-from middleware.demo_tools import demo_catalog, evaluate
+from middleware.dev.demo_tools import demo_catalog, evaluate
 from middleware.errors import GatewayError
-from middleware.tools import McpServerConfig, ResolvedTools, ToolCatalog, refuse_tool_call, run_tool_calls
-from middleware.tools_conn import UrlAllowlist, normalize_url
-from middleware.tools_text import SurrogateEscapeFixer, scrub_text
+from middleware.tools.catalog import (
+    McpServerConfig,
+    ResolvedTools,
+    ToolCatalog,
+    refuse_tool_call,
+    run_tool_calls,
+)
+from middleware.tools.connections import UrlAllowlist, normalize_url
+from middleware.tools.text import SurrogateEscapeFixer, scrub_text
 from tests.mcp_servers import (
     STDIO_COMMAND,
     Probe,

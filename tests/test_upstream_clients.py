@@ -23,8 +23,9 @@ import pytest
 
 from middleware.app import default_upstream
 from middleware.config import ConfigError, Settings, load_settings
-from middleware.request_id import REQUEST_ID
-from middleware.upstream import (
+from middleware.ops.request_id import REQUEST_ID
+from middleware.upstream.aiohttp_client import AiohttpUpstream
+from middleware.upstream.httpx_client import (
     HttpxUpstream,
     UpstreamClient,
     UpstreamConnectError,
@@ -34,7 +35,6 @@ from middleware.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from middleware.upstream_aiohttp import AiohttpUpstream
 from tests.helpers import DONE, PRE, MetricDelta, message_item
 from tests.mock_upstream import RST, MockUpstream, Reply
 
@@ -551,7 +551,7 @@ def test_http_client_request_lines_stay_out_of_the_info_log() -> None:
     configuration keeps the HTTP clients at WARNING and the gateway at the chosen level."""
     code = (
         "import logging, logging.config\n"
-        "from middleware.request_id import log_config\n"
+        "from middleware.ops.request_id import log_config\n"
         "logging.config.dictConfig(log_config('info', json_lines=False))\n"
         "print(logging.getLogger('httpx').isEnabledFor(logging.INFO),"
         " logging.getLogger('httpx2').isEnabledFor(logging.INFO),"
@@ -565,7 +565,7 @@ def test_http_client_request_lines_stay_out_of_the_info_log() -> None:
 def test_a_pooled_connection_does_not_collect_callbacks_from_its_responses() -> None:
     """The aiohttp client watches each response's connection for closing (a hang work-around);
     a kept-alive connection serves many responses, and their watchers must not pile up on it."""
-    from middleware.upstream_aiohttp import AiohttpUpstream
+    from middleware.upstream.aiohttp_client import AiohttpUpstream
 
     body = b'{"id":"r","object":"response","status":"completed","output":[]}'
     status = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"

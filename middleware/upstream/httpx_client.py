@@ -5,7 +5,7 @@ server and returns an `UpstreamResponse` whose body is read incrementally with `
 Transport failures are raised as `UpstreamError` subclasses whose ``kind`` is the
 ``loopwarden_upstream_errors_total`` label (DESIGN.md §8) — never a bare httpx exception — so the
 outcome authority can map them to DESIGN.md §5 (timeouts -> 504 ``upstream_timeout``, the rest ->
-502). Two implementations: `HttpxUpstream` here and `middleware.upstream_aiohttp.AiohttpUpstream`
+502). Two implementations: `HttpxUpstream` here and `middleware.upstream.aiohttp_client.AiohttpUpstream`
 (the default, several times cheaper in CPU), chosen with the ``upstream_client`` setting.
 """
 
@@ -20,9 +20,9 @@ from typing import Protocol
 
 import httpx
 
-from middleware import metrics
 from middleware.errors import GatewayError, redact
-from middleware.request_id import REQUEST_ID
+from middleware.ops import metrics
+from middleware.ops.request_id import REQUEST_ID
 
 
 class UpstreamError(Exception):

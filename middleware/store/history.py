@@ -17,7 +17,7 @@ from typing import Any
 
 from budget import BudgetExceeded, Ledger
 from middleware.errors import GatewayError, InvalidRequest
-from middleware.store import CONTINUABLE_STATUSES, Store
+from middleware.store.store import CONTINUABLE_STATUSES, Store
 
 # Client-visible item types that the upstream never sees (their upstream form is in the replay).
 NOT_REPLAYED = frozenset({"mcp_approval_request", "mcp_approval_response", "mcp_list_tools", "mcp_call"})

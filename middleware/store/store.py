@@ -15,8 +15,8 @@ URL                                    backend
                                        gateway hosts may share one database
 =====================================  ===================================================
 
-The schema is described in `middleware.store_schema`; the backends in
-`middleware.store_backends`. Every statement is written once, here, and runs on both.
+The schema is described in `middleware.store.schema`; the backends in
+`middleware.store.backends`. Every statement is written once, here, and runs on both.
 
 What is stored for a response (one transaction, `Store.save_response`): the response row (the
 final response object as returned to the client, the request parameters, status, owner, ...)
@@ -52,8 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from budget import count_json_nodes
-
-from .store_backends import (
+from middleware.store.backends import (
     Backend,
     ConversationNotFound,
     DuplicateId,
@@ -72,7 +71,7 @@ from .store_backends import (
     redact_url,
     single,
 )
-from .store_schema import MIGRATIONS, MIGRATIONS_TABLE
+from middleware.store.schema import MIGRATIONS, MIGRATIONS_TABLE
 
 __all__ = [
     "CONTINUABLE_STATUSES",

@@ -38,9 +38,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from budget import JsonRejected, loads_strict
-
-from .errors import envelope
-from .store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, StoreUnavailable, UnknownCursor
+from middleware.errors import envelope
+from middleware.store.store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, StoreUnavailable, UnknownCursor
 
 __all__ = ["MAX_BODY_BYTES", "MAX_ITEMS_PER_CALL", "store_routes"]
 

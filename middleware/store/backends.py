@@ -1,8 +1,8 @@
 """The two database backends of the store: SQLite (a file, or in memory) and PostgreSQL.
 
 A backend only opens connections and runs transactions; every SQL statement and every decision
-lives in `middleware.store`, written once with ``?`` placeholders, so SQLite and PostgreSQL run
-the same statements against the same schema (`middleware.store_schema`).
+lives in `middleware.store.store`, written once with ``?`` placeholders, so SQLite and PostgreSQL run
+the same statements against the same schema (`middleware.store.schema`).
 
 A transaction is a unit of `Work`: a generator that yields its statements (`Fetch`,
 `ExecuteMany`) one at a time and is sent each statement's rows back, so a fetch can decide the
@@ -125,7 +125,7 @@ class UnknownCursor(StoreError):
 
 
 class UniqueViolation(StoreError):
-    """A primary-key / unique constraint failed; `middleware.store` turns it into `DuplicateId`."""
+    """A primary-key / unique constraint failed; `middleware.store.store` turns it into `DuplicateId`."""
 
 
 # --- units of work -----------------------------------------------------------------------------

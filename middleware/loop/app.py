@@ -6,7 +6,7 @@ with nothing for the gateway to change — take the pass-through path here.
 
 It reads the `RequestContext` the middleware admitted, calls the upstream (mirroring the client's
 ``stream`` flag; an SSE answer to a buffered call is aggregated), charges everything it keeps to
-the request's ledger (`middleware.stream`), and either forwards the stream to the client or
+the request's ledger (`middleware.upstream.reader`), and either forwards the stream to the client or
 answers the final response as JSON. It never answers an error itself: it raises, and the
 middleware — the single outcome authority — answers (DESIGN.md §2, §5).
 """
@@ -18,22 +18,22 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from middleware import metrics
-from middleware.agent import AgentLoop, read_limited, upstream_error_event
-from middleware.budget_mw import context_of
-from middleware.context import RequestContext
+from middleware.asgi.client_stream import Outbox
+from middleware.asgi.guard import context_of
 from middleware.errors import GatewayError
-from middleware.outbox import Outbox
-from middleware.sse import encode_event
+from middleware.loop.agent import AgentLoop, read_limited, upstream_error_event
+from middleware.loop.context import RequestContext
+from middleware.ops import metrics
 from middleware.state import GatewayState
-from middleware.stream import (
+from middleware.upstream.httpx_client import UpstreamResponse, upstream_status_error
+from middleware.upstream.reader import (
     TERMINAL_EVENTS,
     StreamAccumulator,
     UpstreamEvent,
     read_response_object,
     read_stream_events,
 )
-from middleware.upstream import UpstreamResponse, upstream_status_error
+from middleware.upstream.sse import encode_event
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 

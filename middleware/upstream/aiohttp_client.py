@@ -1,6 +1,6 @@
 """`UpstreamClient` on aiohttp: the default upstream client (issue: performance).
 
-Same contract as `middleware.upstream.HttpxUpstream` — the same headers, timeouts, errors, metrics
+Same contract as `middleware.upstream.httpx_client.HttpxUpstream` — the same headers, timeouts, errors, metrics
 and connection handling — at a fraction of its CPU cost: measured on a bare Starlette proxy at
 concurrency 16, 0.24 ms per buffered request against httpx's 1.65 ms, and 0.4 ms per 100-event
 stream against 3.9 ms (aiohttp hands over whatever bytes have arrived; httpx one upstream chunk at
@@ -19,8 +19,8 @@ import aiohttp
 import httpx
 from aiohttp.http_exceptions import HttpProcessingError
 
-from middleware.request_id import REQUEST_ID
-from middleware.upstream import (
+from middleware.ops.request_id import REQUEST_ID
+from middleware.upstream.httpx_client import (
     CallTiming,
     HttpxUpstream,
     UpstreamConnectError,
@@ -57,7 +57,7 @@ def _translate(
     read_timeout: float,
 ) -> UpstreamError:
     """The `UpstreamError` for an aiohttp failure ``during`` "headers" or "body" (the messages of
-    `middleware.upstream._translate`, which does the same for httpx)."""
+    `middleware.upstream.httpx_client._translate`, which does the same for httpx)."""
     if isinstance(exc, aiohttp.ConnectionTimeoutError):  # pool wait + connect
         return UpstreamTimeout(
             f"upstream did not accept the connection within {connect_timeout} s", phase="connect"

@@ -22,8 +22,8 @@ from typing import Any
 
 from budget import JsonNodeCounter, JsonTooDeep, Ledger
 from middleware.errors import GatewayError
-from middleware.sse import SSEDecodeError, SSEEvent, SSEParser
-from middleware.upstream import UpstreamResponse
+from middleware.upstream.httpx_client import UpstreamResponse
+from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
 
 EVENT_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # what may be written into an `event:` line
 SLICE = 4096  # bytes fed to the SSE parser at a time, so charges do not depend on socket reads

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from middleware.plot import bar_chart_png
+from middleware.ops.plot import bar_chart_png
 
 MIB = 1024 * 1024
 RETAINED_CANDIDATES = tuple(m * MIB for m in (8, 16, 32, 64, 128, 256))

@@ -1,6 +1,6 @@
 """Coalescing of the SSE frames sent to the client: one ASGI message per upstream read.
 
-The stream paths (`middleware.responses`, `middleware.agent`) hand every client event to an
+The stream paths (`middleware.loop.app`, `middleware.loop.agent`) hand every client event to an
 `Outbox` instead of the ASGI ``send``. Body frames sent with ``more_body=True`` are buffered and go
 out together, as one ``http.response.body`` message (one write, one syscall), when the gateway is
 about to wait — for more upstream bytes, an upstream call, a tool call — or when ``flush_bytes``
@@ -26,7 +26,7 @@ import asyncio
 
 from starlette.types import Message, Send
 
-from middleware.sse import KEEPALIVE
+from middleware.upstream.sse import KEEPALIVE
 
 FLUSH_BYTES = 64 * 1024  # buffered frame bytes that trigger a flush without waiting
 

@@ -64,7 +64,7 @@ import mcp
 import mcp_types
 
 from middleware.errors import GatewayError, InvalidRequest
-from middleware.tools_conn import (
+from middleware.tools.connections import (
     Endpoint,
     McpServerConfig,
     PoolLimits,
@@ -76,8 +76,8 @@ from middleware.tools_conn import (
     validate_headers,
     validate_label,
 )
-from middleware.tools_exec import ToolLedger, ToolOutcome, refuse_tool_call, run_tool_calls
-from middleware.tools_text import describe_exception, scrub_json, scrub_text
+from middleware.tools.execute import ToolLedger, ToolOutcome, refuse_tool_call, run_tool_calls
+from middleware.tools.text import describe_exception, scrub_json, scrub_text
 
 __all__ = [
     "GatewayTool",

@@ -56,18 +56,18 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 import anyio
 import mcp
 
-from middleware.metrics import CAP_HITS, TOOL_CALLS, TOOL_DURATION
-from middleware.tools_conn import (
+from middleware.ops.metrics import CAP_HITS, TOOL_CALLS, TOOL_DURATION
+from middleware.tools.connections import (
     ANSWER_TOO_LARGE,
     SessionPool,
     SessionUnavailable,
     call_not_run,
     session_failed,
 )
-from middleware.tools_text import describe_exception, result_text, scrub_text
+from middleware.tools.text import describe_exception, result_text, scrub_text
 
 if TYPE_CHECKING:
-    from middleware.tools import ResolvedTools
+    from middleware.tools.catalog import ResolvedTools
 
 __all__ = ["Outcome", "ToolLedger", "ToolOutcome", "refuse_tool_call", "run_tool_calls"]
 

@@ -2,7 +2,7 @@
 
 `AgentLoop.run()` makes inference calls until `classify_round` says stop: it sends each round
 upstream with the MCP tools exposed as function tools, runs the gateway-owned calls through
-`middleware.tools.run_tool_calls` (timeouts, bounded fan-out, result cap, ledger charge), feeds
+`middleware.tools.catalog.run_tool_calls` (timeouts, bounded fan-out, result cap, ledger charge), feeds
 their outputs back, and answers once:
 
 * buffered: one response object whose ``output`` holds the ``mcp_list_tools`` items, each round's
@@ -28,11 +28,10 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from budget import BudgetExceeded, ChargeModel, count_json_nodes
-from middleware import metrics
-from middleware.context import RequestContext
+from middleware.asgi.client_stream import Outbox
 from middleware.errors import GatewayError, InvalidRequest, redact
-from middleware.history import Restored, approval_id, check_call_pairs, pending_approvals, restore_history
-from middleware.loop import (
+from middleware.loop.context import RequestContext
+from middleware.loop.decision import (
     Continue,
     Done,
     Incomplete,
@@ -41,11 +40,19 @@ from middleware.loop import (
     RoundState,
     classify_round,
 )
-from middleware.outbox import Outbox
-from middleware.sse import encode_event
+from middleware.ops import metrics
 from middleware.state import GatewayState
-from middleware.store import RESPONSE_STATUSES, StoredResponse
-from middleware.stream import (
+from middleware.store.history import (
+    Restored,
+    approval_id,
+    check_call_pairs,
+    pending_approvals,
+    restore_history,
+)
+from middleware.store.store import RESPONSE_STATUSES, StoredResponse
+from middleware.tools.catalog import ResolvedTools, ToolOutcome, run_tool_calls
+from middleware.upstream.httpx_client import UpstreamError, UpstreamResponse, upstream_status_error
+from middleware.upstream.reader import (
     TERMINAL_EVENTS,
     StreamAccumulator,
     UpstreamEvent,
@@ -53,8 +60,7 @@ from middleware.stream import (
     read_response_object,
     read_stream_events,
 )
-from middleware.tools import ResolvedTools, ToolOutcome, run_tool_calls
-from middleware.upstream import UpstreamError, UpstreamResponse, upstream_status_error
+from middleware.upstream.sse import encode_event
 
 T = TypeVar("T")
 LISTING_MODEL = ChargeModel.cpython()  # charges the MCP tool listings a request holds

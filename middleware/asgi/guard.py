@@ -48,10 +48,9 @@ from budget import (
     PoolExhausted,
     loads_strict,
 )
-from middleware import metrics
-from middleware.admission import DRAIN, DrainState, ProcessPool, RequestReservation
-from middleware.auth import Authenticator
-from middleware.context import RequestContext
+from middleware.asgi.auth import Authenticator
+from middleware.asgi.models import ModelRouter
+from middleware.asgi.validate import validate_request
 from middleware.errors import (
     GatewayError,
     InvalidRequest,
@@ -60,9 +59,10 @@ from middleware.errors import (
     sse_error_frame,
     with_request_id,
 )
-from middleware.models import ModelRouter
-from middleware.upstream import UpstreamError
-from middleware.validate import validate_request
+from middleware.loop.context import RequestContext
+from middleware.ops import metrics
+from middleware.ops.admission import DRAIN, DrainState, ProcessPool, RequestReservation
+from middleware.upstream.httpx_client import UpstreamError
 
 log = logging.getLogger("loopwarden")
 

@@ -1,6 +1,6 @@
 """Connections to MCP servers: operator server configs, URL allowlisting, sessions and their pool.
 
-Part of the gateway-owned tool layer (`middleware.tools`, DESIGN.md §6 "Tool exposure"). This
+Part of the gateway-owned tool layer (`middleware.tools.catalog`, DESIGN.md §6 "Tool exposure"). This
 module knows how to *reach* an MCP server; what to list and what to run lives in `tools` and
 `tools_exec`.
 
@@ -50,7 +50,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, METHOD_NOT_FOUND
 
-from middleware.tools_text import SurrogateEscapeFixer, describe_exception
+from middleware.tools.text import SurrogateEscapeFixer, describe_exception
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -344,7 +344,7 @@ class Endpoint:
 
     ``url`` is already normalised and allowed; ``headers`` hold secrets and are excluded from
     ``repr`` and comparisons (the repr shows the header names only). ``tenant``: whose calls these
-    are (the caller's owner hash, `middleware.auth`); pooled sessions are never shared between
+    are (the caller's owner hash, `middleware.asgi.auth`); pooled sessions are never shared between
     tenants, so a stateful MCP server never carries one caller's state into another's calls.
     """
 

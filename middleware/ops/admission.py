@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from middleware import metrics
+from middleware.ops import metrics
 
 
 def memory_limit_bytes() -> int:

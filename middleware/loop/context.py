@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from budget import Ledger, Limits
-from middleware.outbox import Outbox
+from middleware.asgi.client_stream import Outbox
 
 
 @dataclasses.dataclass(eq=False)
