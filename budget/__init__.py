@@ -19,7 +19,7 @@ from .errors import (
     Phase,
     PoolExhausted,
 )
-from .jsonstrict import loads_strict
+from .jsonstrict import loads_strict, locate_invalid
 from .ledger import ChargePool, Ledger
 from .limits import Limits
 from .model import ChargeModel
@@ -42,4 +42,5 @@ __all__ = [
     "PoolExhausted",
     "count_json_nodes",
     "loads_strict",
+    "locate_invalid",
 ]

@@ -29,6 +29,10 @@ suspicious input (then a second, slower pass finds the exact place). Measured ag
 
 from __future__ import annotations
 
+from typing import Any
+
+from collections.abc import Callable
+
 import json
 import math
 import re
@@ -39,7 +43,7 @@ from typing import Final, NoReturn
 from .errors import JsonInvalid, JsonTooDeep
 from .nodes import DEFAULT_MAX_DEPTH, JsonNodeCounter
 
-__all__ = ["loads_strict"]
+__all__ = ["loads_strict", "locate_invalid"]
 
 _H2: Final = rb"[0-9a-fA-F]{2}"
 # A lone surrogate escape, or an escaped backslash before surrogate-like text (which can turn a
@@ -235,3 +239,55 @@ def loads_strict(data: bytes | bytearray | memoryview) -> object:
                 param=param,
             )
     return value
+
+
+def locate_invalid(raw: bytes, code: str) -> str | None:
+    """Where a body that `loads_strict` refused with `code` is at fault, found with a lenient
+    parse on the error path only: the path of the first non-finite number (``invalid_number``),
+    the top-level field holding the first byte that is not UTF-8 (``invalid_unicode``); None
+    when it cannot be told or for other codes."""
+    if code == "invalid_number":
+        return nonfinite_number_path(raw)
+    if code == "invalid_unicode":
+        return undecodable_field(raw)
+    return None
+
+
+def _first_path(root: Any, hit: Callable[[Any], bool]) -> str | None:
+    """The path (``input[0].x``) of the first value or key in `root`, in document order, for
+    which `hit` is true; None when there is none (or it is the root)."""
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        path, value = stack.pop()
+        if hit(value):
+            return path or None
+        if isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                child = f"{path}.{key}" if path else str(key)
+                stack.append((child, item))
+                if hit(key):
+                    stack.append((child, key))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def nonfinite_number_path(raw: bytes) -> str | None:
+    """Where the first non-finite number of `raw` is (``temperature``, ``input[0].x``), if a
+    lenient parse finds one; None otherwise. Only called on the error path."""
+    try:
+        root = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return _first_path(root, lambda v: isinstance(v, float) and not math.isfinite(v))
+
+
+def undecodable_field(raw: bytes) -> str | None:
+    """The top-level field whose value holds the first byte that is not UTF-8 (``input``), found
+    with a lenient parse; None when it cannot be told. Only called on the error path."""
+    try:
+        root = json.loads(raw.decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        return None
+    path = _first_path(root, lambda v: isinstance(v, str) and any("\udc80" <= ch <= "\udcff" for ch in v))
+    return re.split(r"[.\[]", path, maxsplit=1)[0] if path else None

@@ -1,28 +1,170 @@
-"""The gateway's exception tree and the OpenAI error envelope (DESIGN.md §5).
+"""The gateway's failure tree: what went wrong, never how it is answered (DESIGN.md §5).
 
-Every failure inside the gateway is raised as a `GatewayError` carrying its HTTP status, error
-``code``, ``param`` and whether a retry can help; only the outcome authority turns one into an
-answer — a JSON envelope before the response is committed, one SSE ``error`` frame after.
+Raise sites raise a `Failure` that carries facts — the request field at fault (``param``), the
+numbers (``facts``: bytes charged and the limit, seconds, inference calls) — and no HTTP status.
+`middleware.outcomes` alone maps a failure (and whether the response is committed) to its status,
+``code``, headers, SSE frames, stored status, metrics and log line.
+
+```
+Failure                          base: ``message``, ``param``, ``code`` (rows that let it name one), ``facts``
+├── InvalidRequest               the client's request is malformed (400; ``code`` names the check)
+├── InvalidHeader                a limit-lowering header out of range (400 invalid_header)
+├── Unauthenticated              gateway API key missing or wrong (401 invalid_api_key)
+├── NotFound                     unknown or another caller's response / conversation / item (404)
+├── ModelNotFound                a model this gateway does not configure (404 model_not_found)
+├── UnknownRoute                 no such path (404 unknown_url)
+├── MethodNotAllowed             wrong method (405, ``allow``)
+├── BodyTooLarge                 the raw body passes the clamp (413 request_too_large)
+├── BodyTimeout                  the body did not arrive in time (408 request_timeout)
+├── LoopLimitReached             gateway tools still called after max_infer_iters calls (508)
+├── Overloaded                   the process pool is full (503 server_overloaded)
+├── ProcessBudgetExceeded        one reservation larger than the whole pool (413)
+├── ShuttingDown                 draining: refused, or the drain timeout passed (503)
+├── DeadlineExceeded             --request-deadline passed (504)
+├── McpServerUnavailable         an MCP server's tools/list failed (502)
+└── UpstreamError                (middleware.upstream.errors) the model server failed
+```
+
+`budget.BudgetExceeded`, `budget.PoolExhausted` and the store's `StoreUnavailable` are failures too; the outcome table maps them
+by their ``phase`` (the initial payload and restored history are 413, anything later 502).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-from middleware.ops.request_id import REQUEST_ID
+from typing import ClassVar
 
 
-class GatewayError(Exception):
+class Failure(Exception):
     """Base of every failure the gateway reports to its client.
 
-    ``status``: HTTP status before commit. ``code``: the §5 error code. ``param``: the request
-    field at fault, or None. ``retryable``: False for deterministic failures (400, 408, 413, 508,
-    budget 502s), which then carry ``x-should-retry: false`` so SDKs do not multiply their cost.
-    ``limit``: the ``loopwarden_cap_hits_total`` ``limit`` label when this failure is a cap hit.
-    ``close_connection``: answer with ``Connection: close`` (the body was not read).
-    ``retry_after``: seconds for a ``Retry-After`` header (overload refusals).
+    ``message``: what went wrong and what to change (never user content beyond a short excerpt).
+    ``param``: the request field or header at fault, or None. ``code``: the error code, for the
+    rows whose code the failure names itself (validation checks, an upstream's own code); None
+    takes the row's. ``facts``: numbers for the structured log line (bytes, seconds, calls).
+    ``row``: the key of its row in `middleware.outcomes.OUTCOMES` (a class attribute).
     """
+
+    row: ClassVar[str] = "internal"
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, **facts: int | float | str
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.facts = facts
+
+
+class InvalidRequest(Failure):
+    """The client's request is malformed or names something invalid; ``code`` names the check
+    (``invalid_value``, ``invalid_type``, ``json_too_deep``, ``mcp_server_not_allowed``, …)."""
+
+    row = "invalid_request"
+
+    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message, code=code, param=param)
+
+
+class InvalidHeader(Failure):
+    """A ``loopwarden-max-*`` header that is not an integer in its limit's range."""
+
+    row = "invalid_header"
+
+
+class Unauthenticated(Failure):
+    """The gateway API key is missing or wrong (when keys are configured)."""
+
+    row = "invalid_api_key"
+
+
+class NotFound(Failure):
+    """An unknown id, or another caller's object (answered exactly alike)."""
+
+    row = "not_found"
+
+
+class ModelNotFound(Failure):
+    """The request's ``model`` is not one of the configured models."""
+
+    row = "model_not_found"
+
+
+class UnknownRoute(Failure):
+    """No route has this path."""
+
+    row = "unknown_url"
+
+
+class MethodNotAllowed(Failure):
+    """The path exists but not with this method; ``allow`` is the ``Allow`` header value."""
+
+    row = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+
+class BodyTooLarge(Failure):
+    """The raw body passes its clamp (facts ``size`` and ``clamp``, bytes)."""
+
+    row = "request_too_large"
+
+
+class BodyTimeout(Failure):
+    """The whole body was not received within ``--client-body-timeout`` (fact ``seconds``)."""
+
+    row = "request_timeout"
+
+
+class LoopLimitReached(Failure):
+    """The model still called gateway tools after ``max_infer_iters`` inference calls."""
+
+    row = "max_infer_iters"
+
+
+class Overloaded(Failure):
+    """Admission control: the worker's pool (bytes, requests or memory pressure) is full."""
+
+    row = "server_overloaded"
+
+
+class ProcessBudgetExceeded(Failure):
+    """One request's reservation is larger than the whole process pool."""
+
+    row = "process_budget_exceeded"
+
+
+class ShuttingDown(Failure):
+    """The gateway is draining: a new request is refused, or one still running passed the drain
+    timeout (``refused`` tells which: a refused request's body was not read)."""
+
+    row = "server_shutting_down"
+
+    def __init__(self, message: str, *, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class DeadlineExceeded(Failure):
+    """The whole request did not finish within ``--request-deadline`` (fact ``seconds``)."""
+
+    row = "request_deadline"
+
+
+class McpServerUnavailable(Failure):
+    """An MCP server's ``tools/list`` failed (unreachable, timeout, protocol error)."""
+
+    row = "mcp_server_unavailable"
+
+
+
+# --- transitional: the pre-table error type, removed once every raise site raises a Failure ---------
+class GatewayError(Failure):
+    """Transitional: a failure that still names its own HTTP status (see `middleware.outcomes`)."""
+
+    row = "legacy"
 
     def __init__(
         self,
@@ -36,71 +178,47 @@ class GatewayError(Exception):
         close_connection: bool = False,
         retry_after: float | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, code=code, param=param)
         self.limit = limit
         self.close_connection = close_connection
         self.retry_after = retry_after
-        self.message = message
         self.status = status
-        self.code = code
-        self.param = param
         self.retryable = (status >= 500 and status != 508) if retryable is None else retryable
 
 
-class InvalidRequest(GatewayError):
-    """The client's request is malformed or names something invalid (400 by default)."""
-
-    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None) -> None:
-        super().__init__(message, status=400, code=code, param=param, retryable=False)
-
-
-_SECRETS: set[str] = set()
-
-
-def register_secret(value: str | None) -> None:
-    """Remember an operator secret (an upstream or gateway API key) so `redact` hides it."""
-    if value and len(value) >= 6:
-        _SECRETS.add(value)
-
-
-def redact(text: str) -> str:
-    """`text` with every registered secret replaced by ``***`` (upstream messages can echo keys)."""
-    for secret in _SECRETS:
-        if secret in text:
-            text = text.replace(secret, "***")
-    return text
+from middleware.ops.redact import redact, register_secret  # noqa: E402,F401
 
 
 def error_type(status: int) -> str:
-    """The envelope ``type`` for a status: invalid_request_error (4xx) or server_error (5xx)."""
+    """The envelope ``type`` for a status."""
     return "invalid_request_error" if status < 500 else "server_error"
 
 
 def with_request_id(message: str) -> str:
-    """`message` with `` [request id <id>]`` appended when a request id is set (once)."""
+    """Transitional (see `middleware.outcomes.with_request_id`)."""
+    from middleware.ops.request_id import REQUEST_ID
+
     rid = REQUEST_ID.get()
     if rid == "-" or "[request id" in message:
         return message
     return f"{message} [request id {rid}]"
 
 
-def envelope(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error envelope ``{"error": {"message", "type", "param", "code"}}``; the message
-    carries the request id (`with_request_id`), whichever route answers."""
+def envelope(status: int, code: str, message: str, param: str | None = None) -> dict[str, object]:
+    """Transitional envelope builder."""
     message = with_request_id(message)
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
 def envelope_bytes(error: GatewayError) -> bytes:
-    """`envelope` of `error` as compact JSON bytes."""
-    body = envelope(error.status, error.code, error.message, error.param)
-    return json.dumps(body, separators=(",", ":")).encode()
+    """Transitional."""
+    import json
+
+    return json.dumps(envelope(error.status, error.code or "", error.message, error.param), separators=(",", ":")).encode()
 
 
-def error_headers(
-    error: GatewayError, *, extra: list[tuple[bytes, bytes]] | None = None
-) -> list[tuple[bytes, bytes]]:
-    """Response headers for a JSON error answer (content type, and x-should-retry when deterministic)."""
+def error_headers(error: GatewayError, *, extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+    """Transitional."""
     headers = [(b"content-type", b"application/json")]
     if not error.retryable:
         headers.append((b"x-should-retry", b"false"))
@@ -108,7 +226,9 @@ def error_headers(
 
 
 def sse_error_frame(error: GatewayError, sequence_number: int) -> bytes:
-    """The single terminal SSE error frame of DESIGN.md §5 (flat ResponseErrorEvent + nested error)."""
+    """Transitional."""
+    import json
+
     data = {
         "type": "error",
         "sequence_number": sequence_number,

@@ -1,75 +1,121 @@
-"""Coalescing of the SSE frames sent to the client: one ASGI message per upstream read.
+"""`ClientStream`: the one writer to a request's ASGI ``send`` (DESIGN.md §2, §5).
 
-The stream paths (`middleware.loop.app`, `middleware.loop.agent`) hand every client event to an
-`Outbox` instead of the ASGI ``send``. Body frames sent with ``more_body=True`` are buffered and go
-out together, as one ``http.response.body`` message (one write, one syscall), when the gateway is
-about to wait — for more upstream bytes, an upstream call, a tool call — or when ``flush_bytes``
-are buffered; the final message carries whatever is buffered. The stream's first frame is sent
-at once (the client's time to first event does not wait for the rest of its upstream read). Everything else
-(``http.response.start``, bodies without ``more_body``) flushes what is buffered and passes straight
-through, so the response is committed (``RequestContext.committed``) exactly when it was before.
+It holds the facts every layer used to keep a copy of: whether the response is **committed**
+(``http.response.start`` went out), whether it is **finished** (the last body went out; later
+writes are dropped), the HTTP status, and the next ``sequence_number``. Everything the client
+receives goes through it:
 
-What is buffered is at most ``flush_bytes`` plus one frame (by default 64 KiB plus one event: the
-same order as one socket read, and less than the ASGI server's own write buffer). It is not
-charged to the request's ledger: every frame was charged as it was parsed, and the buffer is
-bounded per request by a constant. Whatever ends the request while frames are buffered (a raise,
-the deadline, the drain), the middleware flushes them (``RequestContext.outbox``) before it writes
-its error frame, so the client sees the events that preceded the failure, in order.
+* `answer_json` — a whole JSON answer (a success, or an error envelope before commit);
+* `event` / `forward` — SSE events, renumbered from 0 across rounds; `forward` passes the
+  upstream's bytes unchanged when nothing needs rewriting; every frame carries ``event: <type>``;
+* `end` — the end of a stream: ``data: [DONE]`` (Open Responses: the terminal event of every stream);
+* `fail` — a failure: the `middleware.outcomes` envelope before commit, its frames after
+  (``error``, ``response.failed`` with the response so far from ``snapshot``, ``data: [DONE]``);
+* `keepalive` — a ``: keep-alive`` comment, only once committed.
 
-`last_sent` is the event-loop time of the last write to the client (or of the Outbox's creation):
-keep-alives are due a keep-alive interval after it, whatever the upstream sends meanwhile.
+**Coalescing.** Body frames are buffered and go out together, as one ``http.response.body``
+message, when the gateway is about to wait (`flush`: before an upstream read, an upstream call, a
+tool call, the store) or when ``flush_bytes`` are buffered; the stream's first frame goes out at
+once (time to first event). What is buffered is at most ``flush_bytes`` plus one frame (64 KiB
+plus one event by default): bounded per request by a constant, and not charged to the ledger
+(every frame was charged as it was parsed). Whatever ends a request while frames are buffered,
+`fail` sends them first, so the client sees the events that preceded the failure, in order.
+
+`last_sent()` is the event-loop time of the last write (or of creation): keep-alives are due
+``keepalive_interval`` seconds after it, whatever the upstream sends meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
 
 from starlette.types import Message, Send
 
-from middleware.upstream.sse import KEEPALIVE
+from middleware import outcomes
+from middleware.upstream.sse import KEEPALIVE, encode_event
 
 FLUSH_BYTES = 64 * 1024  # buffered frame bytes that trigger a flush without waiting
+SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"))
+DONE = b"data: [DONE]\n\n"
 
 
-class Outbox:
-    """An ASGI ``send`` that coalesces SSE body frames (see the module docstring).
+class ClientStream:
+    """The one writer to ``send`` for one request (see the module docstring).
 
-    ``await outbox(message)`` has the signature of ASGI ``send``; ``await outbox.flush()`` sends
-    what is buffered now. Raises whatever the wrapped ``send`` raises.
+    ``send``: the ASGI send. ``keepalive_interval``: seconds of client silence before a
+    keep-alive comment is due. ``on_final(status)``: called once, just before the last body
+    message goes out (the request is counted before a client can see its end).
+    ``await stream(message)`` is an ASGI ``send`` too (coalescing ``more_body`` frames).
+    Raises whatever the wrapped ``send`` raises.
     """
 
-    __slots__ = ("_first", "_frames", "_loop", "_send", "_sent_at", "_size", "_started", "flush_bytes")
+    __slots__ = (
+        "_first",
+        "_frames",
+        "_loop",
+        "_on_final",
+        "_send",
+        "_sent_at",
+        "_size",
+        "committed",
+        "finished",
+        "flush_bytes",
+        "keepalive_interval",
+        "next_sequence",
+        "snapshot",
+        "status",
+    )
 
-    def __init__(self, send: Send, *, flush_bytes: int = FLUSH_BYTES) -> None:
+    def __init__(
+        self,
+        send: Send,
+        *,
+        keepalive_interval: float = 15.0,
+        flush_bytes: int = FLUSH_BYTES,
+        on_final: Callable[[int], None] | None = None,
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._sent_at = self._loop.time()
         self._send = send
         self._frames: list[bytes] = []
         self._size = 0
         self._first = True  # the stream's first frame goes out at once (time to first event)
-        self._started = False  # http.response.start went out (the response is committed)
+        self._on_final = on_final
         self.flush_bytes = flush_bytes
+        self.keepalive_interval = keepalive_interval
+        self.committed = False  # http.response.start went out
+        self.finished = False  # the last body message went out
+        self.status = 0
+        self.next_sequence = 0
+        #: The response so far, for the ``response.failed`` event of a failure after commit
+        #: (set by whoever streams: the stitcher or the pass-through).
+        self.snapshot: Callable[[], dict[str, Any]] | None = None
 
+    # -- low level ---------------------------------------------------------------------------
     def last_sent(self) -> float:
-        """Event-loop time (seconds) of the last write to the client, or of the Outbox's creation."""
+        """Event-loop time (seconds) of the last write to the client, or of creation."""
         return self._sent_at
-
-    async def _write(self, message: Message) -> None:
-        self._sent_at = self._loop.time()
-        await self._send(message)
-
-    async def keepalive(self) -> None:
-        """Send what is buffered and a ``: keep-alive`` comment now, if the response is committed
-        (before that there is no stream to keep alive: nothing is sent)."""
-        if self._started:
-            self._frames.append(KEEPALIVE)
-            self._size += len(KEEPALIVE)
-            await self.flush()
 
     @property
     def pending(self) -> int:
         """Bytes buffered and not yet sent."""
         return self._size
+
+    async def _write(self, message: Message) -> None:
+        if self.finished:
+            return
+        if message["type"] == "http.response.start":
+            self.committed = True
+            self.status = message["status"]
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+            if self._on_final is not None:
+                self._on_final(self.status)
+        self._sent_at = self._loop.time()
+        await self._send(message)
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.body":
@@ -93,8 +139,6 @@ class Outbox:
             await self._write(message)
             return
         await self.flush()
-        if message["type"] == "http.response.start":
-            self._started = True
         await self._write(message)
 
     async def flush(self) -> None:
@@ -105,3 +149,66 @@ class Outbox:
         self._frames.clear()
         self._size = 0
         await self._write({"type": "http.response.body", "body": body, "more_body": True})
+
+    async def keepalive(self) -> None:
+        """Send what is buffered and a ``: keep-alive`` comment now, if the response is committed
+        (before that there is no stream to keep alive: nothing is sent)."""
+        if self.committed and not self.finished:
+            self._frames.append(KEEPALIVE)
+            self._size += len(KEEPALIVE)
+            await self.flush()
+
+    # -- answers -----------------------------------------------------------------------------
+    async def answer_json(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """A whole JSON answer: `status`, `body` bytes (content type and length added)."""
+        head = headers or [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await self({"type": "http.response.start", "status": status, "headers": head})
+        await self({"type": "http.response.body", "body": body})
+
+    async def start_stream(self) -> None:
+        """Commit the response as a 200 SSE stream (once)."""
+        if not self.committed:
+            await self({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)})
+
+    async def event(self, event_type: str, obj: dict[str, Any]) -> None:
+        """One SSE event: `obj` gets the next ``sequence_number`` and is encoded as ``event_type``."""
+        await self.start_stream()
+        obj["sequence_number"] = self.next_sequence
+        self.next_sequence += 1
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        await self({"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True})
+
+    async def forward(self, event_type: str, data: bytes, obj: dict[str, Any], *, changed: bool = False) -> None:
+        """One upstream event: its bytes as they came when `obj` is unchanged and its
+        ``sequence_number`` is already the next one (an ``int``; ``2.0`` / ``true`` are
+        re-encoded), else `obj` re-encoded with the next number."""
+        sequence = obj.get("sequence_number")
+        if changed or type(sequence) is not int or sequence != self.next_sequence:
+            await self.event(event_type, obj)
+            return
+        await self.start_stream()
+        self.next_sequence += 1
+        await self({"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True})
+
+    async def end(self) -> None:
+        """End the stream: what is buffered, then ``data: [DONE]``, then the last message."""
+        await self({"type": "http.response.body", "body": DONE, "more_body": False})
+
+    async def fail(self, outcome: outcomes.Outcome, *, retry_after: float = 1.0) -> None:
+        """Answer `outcome` (`middleware.outcomes`): its envelope before commit, its frames after
+        (buffered frames first). Nothing once the response is finished."""
+        if self.finished:
+            return
+        if not self.committed:
+            status, headers, body = outcomes.render_json(outcome, retry_after=retry_after)
+            await self.answer_json(status, body, headers)
+            return
+        snapshot: dict[str, Any] | None = None
+        if self.snapshot is not None:
+            try:
+                snapshot = self.snapshot()
+            except Exception:  # the failure itself may have left the state half-built
+                snapshot = None
+        frames = outcomes.render_stream(outcome, self.next_sequence, snapshot)
+        self.next_sequence += 2
+        await self({"type": "http.response.body", "body": frames, "more_body": False})

@@ -1,30 +1,44 @@
-"""Per-request state shared by the budget middleware and the loop controller.
+"""`RequestContext`: one admitted request, as `middleware.asgi.intake` hands it to the loop.
 
-One `RequestContext` per client request, created by `BudgetMiddleware` after the body has been
-admitted and parsed, and handed to the inner app in ``scope["loopwarden"]``. The middleware reads
-``committed`` and ``next_sequence`` to decide between a JSON error and one SSE error frame.
+Read-only after admission: the guard creates it and the inner app reads it from
+``scope["loopwarden"]`` (`context_of`). The two objects in it that change are owned by one writer
+each: ``client``, the `ClientStream` that alone writes to the client, and ``hooks``, which the
+loop fills so that the guard can store a failure's true status (`middleware.outcomes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from budget import Ledger, Limits
-from middleware.asgi.client_stream import Outbox
+
+if TYPE_CHECKING:
+    from middleware.asgi.client_stream import ClientStream
+    from middleware.asgi.models import ModelRoute
+
+#: ``persist_failure(status, error)``: store the response with ``status`` (``failed`` or
+#: ``cancelled``) and its ``error`` object (or None).
+PersistFailure = Callable[[str, "dict[str, Any] | None"], Awaitable[None]]
 
 
 @dataclasses.dataclass(eq=False)
+class RequestHooks:
+    """What the loop offers the guard once the response object exists: ``persist_failure``."""
+
+    persist_failure: PersistFailure | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class RequestContext:
     """What one request carries through its rounds.
 
     ``raw``: the client body (bytes, as admitted). ``request``: the parsed JSON object.
     ``stream``: the client asked for SSE. ``store``: the request's ``store`` (default true).
-    ``next_sequence``: the ``sequence_number`` the next SSE event to the client will carry.
-    ``committed``: the response headers have been sent. ``rounds``: inference calls made so far.
-    ``owner``: the caller's identity (a hash of its API key) that stored responses belong to.
-    ``outbox``: the `Outbox` holding SSE frames not yet sent (set by the Responses app); the
-    middleware flushes it before it writes an error frame, so the frames come first, in order.
+    ``model_label``: the ``model`` metric label. ``owner``: the caller's identity (a hash of its
+    API key) that stored responses belong to. ``route``: the configured model route (None: not
+    configured). ``client``: the one writer to the client. ``hooks``: see `RequestHooks`.
     """
 
     ledger: Ledger
@@ -33,11 +47,15 @@ class RequestContext:
     request: dict[str, Any]
     stream: bool
     store: bool
+    client: ClientStream
     model_label: str = "other"
     owner: str = ""
-    route: Any = None  # the configured ModelRoute of the request's model (None: not configured)
-    cancel_reason: Any = None  # the GatewayError the middleware ended this request with (deadline, drain)
-    next_sequence: int = 0
-    committed: bool = False
-    outbox: Outbox | None = None
-    rounds: int = 0
+    route: ModelRoute | None = None
+    hooks: RequestHooks = dataclasses.field(default_factory=RequestHooks)
+
+
+def context_of(scope: dict[str, Any]) -> RequestContext:
+    """The `RequestContext` the guard put in `scope`; KeyError when there is none."""
+    ctx = scope["loopwarden"]
+    assert isinstance(ctx, RequestContext)
+    return ctx

@@ -20,16 +20,15 @@ import httpx
 from aiohttp.http_exceptions import HttpProcessingError
 
 from middleware.ops.request_id import REQUEST_ID
-from middleware.upstream.httpx_client import (
-    CallTiming,
-    HttpxUpstream,
+from middleware.upstream.errors import (
     UpstreamConnectError,
     UpstreamDecodeError,
     UpstreamError,
     UpstreamIncomplete,
-    UpstreamResponse,
     UpstreamTimeout,
 )
+from middleware.upstream.httpx_client import HttpxUpstream
+from middleware.upstream.protocol import CallTiming, UpstreamResponse
 
 log = logging.getLogger("loopwarden")
 

@@ -1,106 +1,27 @@
-"""The upstream (model server) HTTP client, behind a small interface.
+"""`HttpxUpstream`: the `UpstreamClient` on httpx (the fallback; aiohttp is the default).
 
-`UpstreamClient.post(path, body, stream=...)` opens one request to the Responses-compatible model
-server and returns an `UpstreamResponse` whose body is read incrementally with `chunks()`.
-Transport failures are raised as `UpstreamError` subclasses whose ``kind`` is the
-``loopwarden_upstream_errors_total`` label (DESIGN.md §8) — never a bare httpx exception — so the
-outcome authority can map them to DESIGN.md §5 (timeouts -> 504 ``upstream_timeout``, the rest ->
-502). Two implementations: `HttpxUpstream` here and `middleware.upstream.aiohttp_client.AiohttpUpstream`
-(the default, several times cheaper in CPU), chosen with the ``upstream_client`` setting.
+httpx's exceptions are translated into `middleware.upstream.errors` by `_translate`, the one table
+for this library.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http.cookiejar
-import json
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Protocol
 
 import httpx
 
-from middleware.errors import GatewayError, redact
-from middleware.ops import metrics
 from middleware.ops.request_id import REQUEST_ID
-
-
-class UpstreamError(Exception):
-    """Base of every upstream transport failure.
-
-    ``kind`` is one of connect, timeout, eof, protocol, decode (the metric label);
-    ``code`` is the DESIGN.md §5 error code.
-    """
-
-    kind = "protocol"
-    code = "upstream_invalid_response"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class UpstreamTimeout(UpstreamError):
-    """Connect, first-byte, idle-read or whole-call deadline passed. ``phase`` says which."""
-
-    kind = "timeout"
-    code = "upstream_timeout"
-
-    def __init__(self, message: str, *, phase: str) -> None:
-        super().__init__(message)
-        self.phase = phase
-
-
-class UpstreamConnectError(UpstreamError):
-    """The model server could not be reached (refused, DNS, TLS)."""
-
-    kind = "connect"
-    code = "upstream_unavailable"
-
-
-class UpstreamIncomplete(UpstreamError):
-    """The body or stream ended early (connection closed before the declared end)."""
-
-    kind = "eof"
-    code = "upstream_incomplete"
-
-
-class UpstreamDecodeError(UpstreamError):
-    """The body could not be decoded, or came with a content encoding the gateway refuses."""
-
-    kind = "decode"
-    code = "upstream_invalid_response"
-
-
-class UpstreamResponse(Protocol):
-    """One upstream answer: status, lower-cased headers, and its body read incrementally."""
-
-    status_code: int
-    headers: Mapping[str, str]
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        """Yield decoded body bytes as they arrive; raises UpstreamError subclasses."""
-        ...
-
-    async def aclose(self) -> None:
-        """Release the connection (idempotent)."""
-        ...
-
-
-class UpstreamClient(Protocol):
-    """A process-wide client for one model server."""
-
-    async def post(self, path: str, body: bytes, *, stream: bool) -> UpstreamResponse:
-        """POST `body` (JSON bytes) to ``base_url + path``; raises UpstreamError subclasses."""
-        ...
-
-    async def get(self, path: str) -> UpstreamResponse:
-        """GET ``base_url + path`` (e.g. ``/models``); raises UpstreamError subclasses."""
-        ...
-
-    async def aclose(self) -> None:
-        """Close every pooled connection."""
-        ...
+from middleware.upstream.errors import (
+    UpstreamConnectError,
+    UpstreamDecodeError,
+    UpstreamError,
+    UpstreamIncomplete,
+    UpstreamTimeout,
+)
+from middleware.upstream.protocol import CallTiming, UpstreamResponse
 
 
 def _translate(exc: httpx.HTTPError, *, during: str, timeouts: httpx.Timeout) -> UpstreamError:
@@ -119,31 +40,6 @@ def _translate(exc: httpx.HTTPError, *, during: str, timeouts: httpx.Timeout) ->
     if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
         return UpstreamIncomplete(f"upstream closed the connection early: {exc}")
     return UpstreamError(f"upstream request failed: {exc}")
-
-
-class CallTiming:
-    """The timing metrics of one upstream call, each observed once: ``first_byte()`` at the first
-    body byte (``loopwarden_upstream_ttfb_seconds``), ``done()`` when the response is closed
-    (``loopwarden_upstream_duration_seconds``; True the first time). ``started``: monotonic seconds."""
-
-    __slots__ = ("_done", "_first_byte", "_started")
-
-    def __init__(self, started: float) -> None:
-        self._started = started
-        self._first_byte = False
-        self._done = False
-
-    def first_byte(self) -> None:
-        if not self._first_byte:
-            self._first_byte = True
-            metrics.UPSTREAM_TTFB.observe(time.monotonic() - self._started)
-
-    def done(self) -> bool:
-        if self._done:
-            return False
-        self._done = True
-        metrics.UPSTREAM_DURATION.observe(time.monotonic() - self._started)
-        return True
 
 
 class _HttpxResponse:
@@ -268,42 +164,9 @@ class HttpxUpstream:
         await self._client.aclose()
 
 
-def upstream_status_error(status: int, body: bytes) -> GatewayError:
-    """Normalise an upstream HTTP error answer into the §5 outcome (status, code, message).
-
-    Counts ``loopwarden_upstream_errors_total{kind="status_4xx"|"status_5xx"}``.
-    """
-    metrics.UPSTREAM_ERRORS.labels(kind="status_5xx" if status >= 500 else "status_4xx").inc()
-    message, code, param = f"upstream answered HTTP {status}", None, None
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None
-        text = body[:500].decode("utf-8", "replace").strip()
-        if text:
-            message = f"{message}: {text}"
-    if isinstance(parsed, dict):
-        err = parsed.get("error", parsed)
-        if isinstance(err, dict):
-            if isinstance(err.get("message"), str):
-                message = err["message"]
-            raw_code = err.get("code") or err.get("type")
-            code = raw_code if isinstance(raw_code, str) else None
-            param = err.get("param") if isinstance(err.get("param"), str) else None
-        elif isinstance(err, str):
-            message = err
-    message = redact(message)
-    if status in (401, 403):
-        return GatewayError(
-            f"the upstream refused the gateway's credentials (HTTP {status}): {message}; "
-            "check --upstream-api-key",
-            status=502,
-            code="upstream_auth_failed",
-        )
-    if status >= 500:
-        return GatewayError(message, status=502, code=code or "upstream_error")
-    if status in (400, 404, 409, 422, 429):
-        return GatewayError(
-            message, status=status, code=code or "upstream_error", param=param, retryable=status in (409, 429)
-        )
-    return GatewayError(message, status=502, code=code or "upstream_error")
+# transitional re-exports (callers move to middleware.upstream.errors / .protocol)
+from middleware.upstream.errors import (  # noqa: E402,F401
+    UpstreamDecodeError as UpstreamDecodeError,
+    status_failure as upstream_status_error,
+)
+from middleware.upstream.protocol import UpstreamClient as UpstreamClient  # noqa: E402,F401

@@ -1,0 +1,260 @@
+"""Intake of one ``POST /v1/responses``: from the raw request to an admitted `RequestContext`.
+
+The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (or
+`budget.BudgetExceeded` / `PoolExhausted`) for the guard to answer:
+
+0. the gateway API key (`Unauthenticated`) and the caller's identity;
+1. the effective `Limits`: server settings and the client's lowering headers
+   ``loopwarden-max-retained-bytes`` / ``loopwarden-max-infer-iters`` (`InvalidHeader`); the
+   smallest wins;
+2. the drain (`ShuttingDown`) and admission control: a reservation from the process pool
+   (`ProcessBudgetExceeded`, `Overloaded`) before a byte of the body is read;
+3. the raw body clamp (`Limits.request_body_clamp`) from ``Content-Length`` and while reading
+   (`BodyTooLarge`), within ``client_body_timeout`` seconds (`BodyTimeout`), counting JSON nodes in
+   the same pass (depth over `budget.DEFAULT_MAX_DEPTH`: 400 ``json_too_deep`` at once);
+4. ``Ledger.admit_input`` (413), then the strict parse and the field checks (`InvalidRequest`);
+5. the model route (`ModelNotFound`) and its lower limit (413 if what is charged no longer fits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.types import Receive, Scope
+
+from budget import (
+    DEFAULT_MAX_DEPTH,
+    ChargeModel,
+    JsonInvalid,
+    JsonNodeCounter,
+    JsonTooDeep,
+    Ledger,
+    Limits,
+    loads_strict,
+    locate_invalid,
+)
+from middleware.asgi.auth import Authenticator
+from middleware.asgi.client_stream import ClientStream
+from middleware.asgi.models import ModelRouter
+from middleware.asgi.validate import validate_request
+from middleware.errors import (
+    BodyTimeout,
+    BodyTooLarge,
+    InvalidHeader,
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    ProcessBudgetExceeded,
+    ShuttingDown,
+)
+from middleware.loop.context import RequestContext
+from middleware.ops.admission import DrainState, ProcessPool, RequestReservation
+
+LIMIT_HEADERS = {
+    b"loopwarden-max-retained-bytes": "max_retained_bytes",
+    b"loopwarden-max-infer-iters": "max_infer_iters",
+}
+_INPUT_PER_BYTE_STORED = ChargeModel().input_per_byte * 2  # per body byte, store on (reservations)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the body was complete."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1048576:.2f} MiB" if n >= 1048576 else f"{n} bytes"
+
+
+class Intake:
+    """The admission of one request (see the module docstring); `admit` returns its context.
+
+    What it acquired stays on the object for the guard to settle whatever happens:
+    ``reservation`` (the pool's), ``ledger`` (the request's), ``model_label`` (the metric label)
+    and ``lowered`` (the limits this request lowered with its own headers).
+    """
+
+    def __init__(
+        self,
+        scope: Scope,
+        receive: Receive,
+        *,
+        limits: Limits,
+        authenticator: Authenticator,
+        router: ModelRouter,
+        pool: ProcessPool,
+        drain: DrainState,
+        client_body_timeout: float,
+        retry_after: float,
+    ) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.limits = limits
+        self.authenticator = authenticator
+        self.router = router
+        self.pool = pool
+        self.drain = drain
+        self.client_body_timeout = client_body_timeout
+        self.retry_after = retry_after
+        self.owner = ""
+        self.reservation: RequestReservation | None = None
+        self.ledger: Ledger | None = None
+        self.model_label = "other"
+        self.lowered: set[str] = set()
+
+    async def admit(self, client: ClientStream) -> RequestContext:
+        """Run the checks; the admitted request, its ledger charged with the body."""
+        self.owner = self.authenticator.owner(self.scope)
+        limits = self.effective_limits()
+        clamp = limits.request_body_clamp
+        declared = self._content_length()
+        if declared is not None and declared > clamp:
+            raise _too_large(declared, clamp, limits, declared=True)
+        self.reservation = self._reserve(limits, declared)
+        counter = JsonNodeCounter(max_depth=DEFAULT_MAX_DEPTH)
+        try:
+            async with asyncio.timeout(self.client_body_timeout):
+                raw = await self._read_body(clamp, limits, counter)
+        except TimeoutError:
+            raise BodyTimeout(
+                f"the request body was not received within {self.client_body_timeout:g} s "
+                "(--client-body-timeout); send the whole body promptly",
+                seconds=self.client_body_timeout,
+            ) from None
+        # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
+        # the store doubles it (the persisted projection) is known only after parsing, so the
+        # doubled charge replaces the single one then — exact for both, and sound throughout.
+        nodes = counter.nodes
+        ledger = self._admit_body(limits, raw, nodes, store=False)
+        try:
+            request = loads_strict(raw)
+        except JsonInvalid as exc:
+            raise InvalidRequest(exc.message, code=exc.code, param=exc.param or locate_invalid(raw, exc.code)) from None
+        if not isinstance(request, dict):
+            raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
+        validate_request(request)
+        route = self.router.match(request["model"])
+        if route is None and self.router.configured:
+            raise ModelNotFound(
+                f"the model {request['model'][:200]!r} does not exist on this gateway; "
+                f"configured models: {', '.join(sorted(self.router.labels))[:500]}",
+                param="model",
+            )
+        self.model_label = route.name if route is not None else "other"
+        store = request.get("store") is not False
+        if store:
+            ledger.release_all()
+            ledger = self._admit_body(limits, raw, nodes, store=True)
+        if route is not None:
+            limits = route.limits(limits)
+            ledger.lower_limit(limits.max_retained_bytes)
+        return RequestContext(
+            ledger=ledger,
+            limits=limits,
+            raw=raw,
+            request=request,
+            stream=request.get("stream") is True,
+            store=store,
+            model_label=self.model_label,
+            owner=self.owner,
+            route=route,
+            client=client,
+        )
+
+    def effective_limits(self) -> Limits:
+        """The server's limits, lowered by the request's ``loopwarden-max-*`` headers."""
+        lowered: dict[str, int] = {}
+        base = self.limits
+        for name, value in self.scope.get("headers", []):
+            field = LIMIT_HEADERS.get(name.lower())
+            if field is None:
+                continue
+            header = name.decode("latin-1").lower()
+            try:
+                number = int(value)
+                Limits(**{**_fields(base), field: number})
+            except ValueError:
+                low, high = (4096, 268435456) if field == "max_retained_bytes" else (1, 100)
+                raise InvalidHeader(
+                    f"header {header} must be an integer in {low}..={high}, got {value.decode('latin-1')!r}",
+                    param=header,
+                ) from None
+            lowered[field] = number
+            if number < getattr(base, field):
+                self.lowered.add(field)
+        if not lowered:
+            return base
+        return Limits.smallest(base, Limits(**{**_fields(base), **lowered}))
+
+    def _content_length(self) -> int | None:
+        for name, value in self.scope.get("headers", []):
+            if name.lower() == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    raise InvalidRequest("Content-Length is not an integer") from None
+        return None
+
+    def _reserve(self, limits: Limits, declared: int | None) -> RequestReservation:
+        """Admission control before the body is read: refusals, else a reservation."""
+        pool = self.pool
+        if self.drain.draining:
+            raise ShuttingDown("the gateway is shutting down; retry on another instance", refused=True)
+        initial = (
+            limits.max_retained_bytes
+            if declared is None
+            else min(limits.max_retained_bytes, declared * _INPUT_PER_BYTE_STORED)
+        )
+        if initial > pool.budget:
+            raise ProcessBudgetExceeded(
+                f"this request would reserve {initial} budget bytes, more than this worker's whole pool of "
+                f"{pool.budget} (--max-inflight-retained-bytes); lower loopwarden-max-retained-bytes or send less",
+                requested=initial,
+                limit=pool.budget,
+            )
+        reason = pool.refusal(initial)
+        if reason is not None:
+            raise Overloaded(
+                f"the gateway is overloaded: {reason}; retry after {self.retry_after:g} s", requested=initial
+            )
+        return pool.admit(initial)
+
+    def _admit_body(self, limits: Limits, raw: bytes, nodes: int, *, store: bool) -> Ledger:
+        """A new ledger for the request with the body admitted (``admit_input``)."""
+        ledger = Ledger(limits.max_retained_bytes, store=store, pool=self.reservation)
+        self.ledger = ledger
+        ledger.admit_input(raw, nodes=nodes)
+        return ledger
+
+    async def _read_body(self, clamp: int, limits: Limits, counter: JsonNodeCounter) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > clamp:
+                    raise _too_large(size, clamp, limits, declared=False)
+                try:
+                    counter.feed(chunk)
+                except JsonTooDeep as exc:
+                    raise InvalidRequest(str(exc), code="json_too_deep") from None
+                parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+def _fields(limits: Limits) -> dict[str, int]:
+    return {"max_infer_iters": limits.max_infer_iters, "max_retained_bytes": limits.max_retained_bytes}
+
+
+def _too_large(size: int, clamp: int, limits: Limits, *, declared: bool) -> BodyTooLarge:
+    how = "declares" if declared else "is at least"
+    return BodyTooLarge(
+        f"request body {how} {_mib(size)}, over the {_mib(clamp)} clamp (max_retained_bytes // 32 with "
+        f"max_retained_bytes={limits.max_retained_bytes}); send less, or raise max_retained_bytes",
+        size=size,
+        clamp=clamp,
+    )

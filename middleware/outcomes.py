@@ -1,0 +1,422 @@
+"""DESIGN.md §5 as data: the only place a failure becomes a status, a frame or a stored status.
+
+`OUTCOMES` holds one `Row` per situation of the §5 table. `resolve(exc, committed=...)` finds the
+row of any exception — a `middleware.errors.Failure`, an upstream failure, `budget.BudgetExceeded`
+/ `PoolExhausted` (by ``phase``: the initial payload, restored history and a lowered limit are
+413, anything later 502), the store's `StoreUnavailable`, anything else (500 ``internal_error``,
+a bug) — and returns an `Outcome`: the HTTP status, envelope ``type`` and ``code``, the message,
+``param``, headers, the cap-hit label and the stored status. Then
+
+* `render_json(outcome)` is the envelope answer before commit (status, headers, body bytes);
+* `render_stream(outcome, sequence, response)` is what follows a committed stream: one ``error``
+  event, one ``response.failed`` event carrying the response so far, and ``data: [DONE]``;
+* `stored_status(outcome)` is what the store keeps (``failed`` with the error; ``cancelled`` when
+  the client went away, `CLIENT_GONE`);
+* `record(outcome)` counts the metrics (§8) and writes the one structured log line of the failure
+  (request id, row, status, code, limit label, the failure's numbers, the caller's hash; never
+  user content).
+
+Everything that answers a failure — the guard, the store routes, the app's handlers, 404/405 —
+goes through these functions; raise sites never pick a status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any, Final
+
+from budget import BudgetExceeded, PoolExhausted
+from middleware.errors import Failure, MethodNotAllowed, ShuttingDown
+from middleware.ops import metrics
+from middleware.ops.request_id import REQUEST_ID
+from middleware.store.backends import StoreUnavailable
+from middleware.upstream.errors import UpstreamError, UpstreamStatus
+
+log = logging.getLogger("loopwarden.outcome")
+
+#: Phases of `BudgetExceeded` / `PoolExhausted` that happen before anything was sent upstream.
+INITIAL_PHASES: Final = frozenset({"input", "history", "limit"})
+#: Upstream statuses passed through with their own status (DESIGN.md §5); the rest become 502.
+PASSED_STATUSES: Final = frozenset({400, 404, 409, 422, 429})
+#: Upstream headers a passed-through upstream error keeps (rate limits and when to retry).
+PASSED_HEADER_PREFIXES: Final = ("x-ratelimit-",)
+PASSED_HEADERS: Final = frozenset({"retry-after"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    """One row of DESIGN.md §5.
+
+    ``situation``: the §5 wording. ``status``: HTTP status before commit (0: the upstream's own,
+    see `PASSED_STATUSES`). ``code``: the error code (None: the failure names it). ``cap``: the
+    ``loopwarden_cap_hits_total`` ``limit`` label, when the row is a cap hit. ``deterministic``:
+    the same request would fail again, so ``x-should-retry: false``. ``close``: ``Connection:
+    close`` (the body was not read). ``retry_after``: send ``Retry-After``. ``after_commit``: the
+    row can also happen once a stream is committed (then it is frames, not a status).
+    ``upstream``: the row is an upstream failure (counted in ``loopwarden_upstream_errors_total``
+    by the failure's ``kind``).
+    """
+
+    situation: str
+    status: int
+    code: str | None
+    cap: str | None = None
+    deterministic: bool = False
+    close: bool = False
+    retry_after: bool = False
+    after_commit: bool = True
+    upstream: bool = False
+
+
+OUTCOMES: Final[Mapping[str, Row]] = {
+    "request_too_large": Row(
+        "raw body over the clamp (from Content-Length or while reading)",
+        413, "request_too_large", cap="request_body", deterministic=True, close=True, after_commit=False,
+    ),
+    "request_timeout": Row(
+        "client body not received within --client-body-timeout",
+        408, "request_timeout", cap="client_body_timeout", deterministic=True, close=True, after_commit=False,
+    ),
+    "budget_initial": Row(
+        "ledger overflow on the initial payload or restored history",
+        413, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True, after_commit=False,
+    ),
+    "budget_later": Row(
+        "ledger overflow later (upstream output, tool result, persistence)",
+        502, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True,
+    ),
+    "upstream_body_too_large": Row(
+        "buffered upstream Content-Length over its clamp",
+        502, "upstream_response_too_large", cap="upstream_body", deterministic=True, upstream=True,
+    ),
+    "max_infer_iters": Row(
+        "model still calls gateway tools after max_infer_iters inference calls",
+        508, "max_infer_iters_exceeded", cap="max_infer_iters", deterministic=True,
+    ),
+    "upstream_timeout": Row(
+        "upstream timeout (connect / first byte / idle read)", 504, "upstream_timeout", upstream=True
+    ),
+    "request_deadline": Row(
+        "whole-request deadline (--request-deadline)", 504, "request_deadline_exceeded", cap="request_deadline"
+    ),
+    "upstream_incomplete": Row(
+        "upstream stream/body ends early, no terminal event, bad framing or encoding",
+        502, "upstream_incomplete", upstream=True,
+    ),
+    "upstream_invalid": Row(
+        "upstream protocol violation or an answer that breaks the schema or cannot be re-encoded",
+        502, "upstream_invalid_response", upstream=True,
+    ),
+    "upstream_auth_failed": Row(
+        "upstream 401 / 403 (the operator's credentials)", 502, "upstream_auth_failed", upstream=True
+    ),
+    "upstream_5xx": Row("upstream 5xx", 502, None, upstream=True),
+    "upstream_4xx": Row(
+        "upstream 400 / 404 / 409 / 422 / 429 (Retry-After and x-ratelimit-* passed through)",
+        0, None, upstream=True,
+    ),
+    "upstream_stream_error": Row("in-band upstream error event", 502, None, upstream=True),
+    "upstream_unavailable": Row(
+        "upstream unreachable (connect refused, DNS, reset before headers)",
+        502, "upstream_unavailable", upstream=True,
+    ),
+    "invalid_request": Row(
+        "malformed client JSON, duplicate keys, depth over the cap, invalid Unicode, out-of-range numbers, "
+        "dangling or unknown call_id, MCP server_url outside the allowlist, unknown server_label, clashing tool names",
+        400, None, deterministic=True, after_commit=False,
+    ),
+    "invalid_header": Row(
+        "limit-lowering header out of range", 400, "invalid_header", deterministic=True, after_commit=False
+    ),
+    "invalid_api_key": Row(
+        "gateway API key missing or wrong", 401, "invalid_api_key", deterministic=True, after_commit=False
+    ),
+    "server_overloaded": Row(
+        "process pool full (admission control)",
+        503, "server_overloaded", cap="admission", close=True, retry_after=True, after_commit=False,
+    ),
+    "process_budget_exceeded": Row(
+        "one request's reservation larger than the whole process pool",
+        413, "process_budget_exceeded", cap="admission", deterministic=True, close=True, after_commit=False,
+    ),
+    "pool_initial": Row(
+        "the process pool has no room for the initial payload's charge",
+        413, "process_budget_exceeded", cap="admission", deterministic=True, after_commit=False,
+    ),
+    "pool_later": Row(
+        "the process pool has no room for a later charge", 502, "process_budget_exceeded", cap="admission"
+    ),
+    "model_not_found": Row(
+        "unknown model (when models are configured)", 404, "model_not_found", deterministic=True, after_commit=False
+    ),
+    "server_shutting_down": Row("shutting down, drain timeout passed", 503, "server_shutting_down"),
+    "server_shutting_down_refused": Row(
+        "shutting down: a new request is refused, its body not read",
+        503, "server_shutting_down", close=True, retry_after=True, after_commit=False,
+    ),
+    "mcp_server_unavailable": Row("an MCP server's tools/list fails", 502, "mcp_server_unavailable"),
+    "not_found": Row(
+        "unknown or another caller's response / conversation / item", 404, "not_found", deterministic=True,
+        after_commit=False,
+    ),
+    "unknown_url": Row("unknown path", 404, "unknown_url", deterministic=True, after_commit=False),
+    "method_not_allowed": Row(
+        "method not allowed (with Allow)", 405, "method_not_allowed", deterministic=True, after_commit=False
+    ),
+    "store_unavailable": Row("the response store's database fails", 503, "store_unavailable"),
+    "internal": Row("a defect of the gateway (never caused by input)", 500, "internal_error"),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """The one answer to one failure: see the module docstring. ``error``: the exception."""
+
+    row: str
+    status: int
+    code: str
+    message: str
+    param: str | None
+    headers: tuple[tuple[bytes, bytes], ...]
+    cap: str | None
+    committed: bool
+    error: BaseException | None
+
+    @property
+    def type(self) -> str:
+        """The envelope ``type``: ``invalid_request_error`` (4xx) or ``server_error`` (5xx)."""
+        return error_type(self.status)
+
+    @property
+    def cap_outcome(self) -> str:
+        """The ``outcome`` label of a cap hit: the status before commit, ``sse_error`` after."""
+        return "sse_error" if self.committed else str(self.status)
+
+
+#: Stored status of a request whose client went away (no error, nothing answered).
+CLIENT_GONE: Final = "cancelled"
+
+
+def error_type(status: int) -> str:
+    """The envelope ``type`` for a status: ``invalid_request_error`` (4xx) or ``server_error`` (5xx)."""
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def _legacy_row(exc: Any) -> Row:
+    # transitional: a GatewayError that still names its status (removed with GatewayError)
+    return Row(
+        "legacy", exc.status, exc.code, cap=exc.limit, deterministic=not exc.retryable,
+        close=exc.close_connection, retry_after=exc.retry_after is not None,
+    )  # fmt: skip
+
+
+def _row(key: str, exc: BaseException) -> Row:
+    return _legacy_row(exc) if key == "legacy" else OUTCOMES[key]
+
+
+def row_of(exc: BaseException) -> str:
+    """The `OUTCOMES` key of an exception (see the module docstring)."""
+    if isinstance(exc, ShuttingDown):
+        return "server_shutting_down_refused" if exc.refused else "server_shutting_down"
+    if isinstance(exc, UpstreamStatus):
+        if exc.status in (401, 403):
+            return "upstream_auth_failed"
+        if exc.status in PASSED_STATUSES:
+            return "upstream_4xx"
+        return "upstream_5xx"
+    if isinstance(exc, Failure):
+        return exc.row
+    if isinstance(exc, BudgetExceeded):
+        return "budget_initial" if exc.phase in INITIAL_PHASES else "budget_later"
+    if isinstance(exc, PoolExhausted):
+        return "pool_initial" if exc.phase in INITIAL_PHASES else "pool_later"
+    if isinstance(exc, StoreUnavailable):
+        return "store_unavailable"
+    return "internal"
+
+
+def with_request_id(message: str) -> str:
+    """`message` with `` [request id <id>]`` appended when a request id is set."""
+    rid = REQUEST_ID.get()
+    return message if rid == "-" else f"{message} [request id {rid}]"
+
+
+def resolve(exc: BaseException, *, committed: bool = False, note: str = "") -> Outcome:
+    """The `Outcome` of `exc` (any exception), before or after commit.
+
+    ``note``: a sentence appended to the message (e.g. that the request lowered the limit itself).
+    """
+    key = row_of(exc)
+    row = _row(key, exc)
+    status = row.status
+    code = row.code
+    param: str | None = None
+    headers: list[tuple[bytes, bytes]] = []
+    if isinstance(exc, Failure):
+        message, param = exc.message, exc.param
+        code = code or exc.code
+    elif isinstance(exc, BudgetExceeded | PoolExhausted):
+        message = str(exc)
+        if isinstance(exc, PoolExhausted):
+            message = (
+                f"the worker's process budget (--max-inflight-retained-bytes) has no room for {exc.requested} "
+                f"more budget bytes for this request ({exc.phase}); retry later"
+            )
+    elif key == "store_unavailable":
+        message = f"the response store is unavailable: {exc}"
+    else:
+        message = "the gateway failed while serving this request"
+    if isinstance(exc, UpstreamStatus):
+        if key == "upstream_4xx":
+            status = exc.status
+        headers = [
+            (name.encode("latin-1"), value.encode("latin-1"))
+            for name, value in exc.passed_headers
+            if name in PASSED_HEADERS or name.startswith(PASSED_HEADER_PREFIXES)
+        ]
+    if isinstance(exc, MethodNotAllowed):
+        headers.append((b"allow", exc.allow.encode("latin-1")))
+    if note:
+        message = f"{message} {note}"
+    return Outcome(
+        row=key,
+        status=status,
+        code=code or "upstream_error",
+        message=with_request_id(message),
+        param=param,
+        headers=tuple(headers),
+        cap=row.cap,
+        committed=committed,
+        error=exc,
+    )
+
+
+def retryable(outcome: Outcome) -> bool:
+    """Whether a retry can help: not for deterministic rows, nor for passed-through upstream
+    4xx other than 409 / 429."""
+    row = _row(outcome.row, outcome.error) if outcome.error is not None else OUTCOMES[outcome.row]
+    if row.deterministic:
+        return False
+    if outcome.row == "upstream_4xx":
+        return outcome.status in (409, 429)
+    return True
+
+
+def envelope(outcome: Outcome) -> dict[str, Any]:
+    """The OpenAI error envelope ``{"error": {"message", "type", "param", "code"}}``."""
+    return {
+        "error": {"message": outcome.message, "type": outcome.type, "param": outcome.param, "code": outcome.code}
+    }
+
+
+def render_json(
+    outcome: Outcome, *, retry_after: float = 1.0
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The answer before commit: ``(status, headers, body)``, the body the envelope as compact
+    JSON. ``retry_after``: seconds for a ``Retry-After`` header, on the rows that send one."""
+    row = _row(outcome.row, outcome.error) if outcome.error is not None else OUTCOMES[outcome.row]
+    body = json.dumps(envelope(outcome), separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if not retryable(outcome):
+        headers.append((b"x-should-retry", b"false"))
+    if row.close:
+        headers.append((b"connection", b"close"))
+    if row.retry_after:
+        headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
+    headers.extend(outcome.headers)
+    return outcome.status, headers, body
+
+
+def error_object(outcome: Outcome) -> dict[str, Any]:
+    """The ``error`` of a failed response object (``code``, ``message``), as stored and streamed."""
+    return {"code": outcome.code, "message": outcome.message}
+
+
+def render_stream(outcome: Outcome, sequence: int, response: Mapping[str, Any] | None) -> bytes:
+    """The frames that end a committed stream (DESIGN.md §5): one ``error`` event (the spec's flat
+    ``ResponseErrorEvent`` fields plus a nested ``error`` so the SDKs raise), one
+    ``response.failed`` event with `response` (the response so far) failed, and ``data: [DONE]``.
+    ``sequence``: the error event's ``sequence_number``."""
+    error = {
+        "type": "error",
+        "sequence_number": sequence,
+        "code": outcome.code,
+        "message": outcome.message,
+        "param": outcome.param,
+        "error": {"type": outcome.type, "code": outcome.code, "message": outcome.message, "param": outcome.param},
+    }
+    failed = {
+        "type": "response.failed",
+        "sequence_number": sequence + 1,
+        "response": {**(response or {}), "status": "failed", "error": error_object(outcome)},
+    }
+    return b"".join(
+        (
+            b"event: error\ndata: ",
+            _dumps(error),
+            b"\n\nevent: response.failed\ndata: ",
+            _dumps(failed),
+            b"\n\ndata: [DONE]\n\n",
+        )
+    )
+
+
+def _dumps(obj: Any) -> bytes:
+    # the response so far may hold what the upstream sent (lone surrogates): never a raise here
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, default=str).encode()
+
+
+def stored_status(outcome: Outcome | None) -> tuple[str, dict[str, Any] | None]:
+    """What the store keeps for a request that ended this way: ``("failed", error)``, or
+    ``(CLIENT_GONE, None)`` for None (the client went away)."""
+    if outcome is None:
+        return CLIENT_GONE, None
+    return "failed", error_object(outcome)
+
+
+def stream_error_codes() -> frozenset[str]:
+    """The codes the gateway itself can send after commit (the bounded ``code`` label of
+    ``loopwarden_stream_errors_total``; an upstream's own code is folded into ``upstream_error``)."""
+    return frozenset({row.code or "upstream_error" for row in OUTCOMES.values() if row.after_commit})
+
+
+def record(outcome: Outcome, *, owner: str = "", limit: int | None = None) -> None:
+    """Count `outcome` (cap hits, stream errors, upstream errors) and write its one log line.
+
+    ``owner``: the caller's hash (its first 12 characters are logged); ``limit``: the limit in
+    force for the row (bytes or calls), logged with the failure's numbers.
+    """
+    row = _row(outcome.row, outcome.error) if outcome.error is not None else OUTCOMES[outcome.row]
+    if outcome.cap is not None:
+        metrics.CAP_HITS.labels(limit=outcome.cap, outcome=outcome.cap_outcome).inc()
+    if outcome.committed:
+        metrics.STREAM_ERRORS.labels(code=metrics.stream_error_label(outcome.code)).inc()
+    if row.upstream and isinstance(outcome.error, UpstreamError):
+        metrics.UPSTREAM_ERRORS.labels(kind=outcome.error.kind).inc()
+    facts: dict[str, Any] = {}
+    error = outcome.error
+    if isinstance(error, Failure):
+        facts.update(error.facts)
+    elif isinstance(error, BudgetExceeded):
+        facts.update(phase=error.phase, requested=error.requested, charged=error.charged, limit=error.limit)
+    elif isinstance(error, PoolExhausted):
+        facts.update(phase=error.phase, requested=error.requested)
+    if limit is not None:
+        facts.setdefault("limit", limit)
+    line = " ".join(f"{k}={v}" for k, v in facts.items())
+    level = logging.ERROR if outcome.row == "internal" else logging.WARNING
+    log.log(
+        level,
+        "outcome row=%s status=%s code=%s committed=%s cap=%s caller=%s%s",
+        outcome.row,
+        outcome.status,
+        outcome.code,
+        outcome.committed,
+        outcome.cap or "-",
+        owner[:12] or "-",
+        f" {line}" if line else "",
+        exc_info=error if outcome.row == "internal" and error is not None else None,
+    )
