@@ -29,16 +29,12 @@ suspicious input (then a second, slower pass finds the exact place). Measured ag
 
 from __future__ import annotations
 
-from typing import Any
-
-from collections.abc import Callable
-
 import json
 import math
 import re
 import sys
-from collections.abc import Iterator
-from typing import Final, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, Final, NoReturn
 
 from .errors import JsonInvalid, JsonTooDeep
 from .nodes import DEFAULT_MAX_DEPTH, JsonNodeCounter

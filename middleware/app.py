@@ -24,12 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from middleware import outcomes
 from middleware.asgi.auth import Authenticator
 from middleware.asgi.guard import BudgetMiddleware
 from middleware.asgi.models import ModelRouter
 from middleware.config import Settings
 from middleware.dev.embedded import BackgroundServer
-from middleware.errors import GatewayError, envelope_bytes, error_headers, redact, register_secret
+from middleware.errors import Failure, MethodNotAllowed, UnknownRoute
 from middleware.loop.app import ResponsesApp
 from middleware.ops import metrics
 from middleware.ops.admission import (
@@ -39,69 +40,60 @@ from middleware.ops.admission import (
     install_drain_hook,
     memory_pressure,
 )
+from middleware.ops.redact import register_secret
 from middleware.ops.request_id import RequestIdMiddleware
 from middleware.state import GatewayState
 from middleware.store.routes import store_routes
 from middleware.store.store import Store, open_store
 from middleware.tools.catalog import McpServerConfig, PoolLimits, ToolCatalog
 from middleware.upstream.aiohttp_client import AiohttpUpstream
-from middleware.upstream.httpx_client import (
-    HttpxUpstream,
-    UpstreamClient,
-    UpstreamError,
-    upstream_status_error,
-)
+from middleware.upstream.errors import UpstreamBodyTooLarge, read_limited, status_failure
+from middleware.upstream.httpx_client import HttpxUpstream
+from middleware.upstream.protocol import UpstreamClient
 
 log = logging.getLogger("loopwarden")
 
 
-async def gateway_error_response(request: Request, exc: Exception) -> Response:
-    """A `GatewayError` raised by a plain route (e.g. 401 on the store routes) as the envelope."""
-    assert isinstance(exc, GatewayError)
-    headers = dict((k.decode(), v.decode()) for k, v in error_headers(exc))
-    return Response(envelope_bytes(exc), status_code=exc.status, headers=headers)
+def failure_response(exc: BaseException) -> Response:
+    """Any failure of a plain route as its `middleware.outcomes` answer (counted and logged)."""
+    outcome = outcomes.resolve(exc)
+    outcomes.record(outcome)
+    status, headers, body = outcomes.render_json(outcome)
+    return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
+
+
+async def failure_handler(request: Request, exc: Exception) -> Response:
+    """Starlette exception handler: a `Failure` raised by a plain route (e.g. 401), or an
+    unexpected exception (500 ``internal_error``, through the same table)."""
+    return failure_response(exc)
 
 
 async def route_error_response(request: Request, exc: Exception) -> Response:
-    """Unknown paths (404) and wrong methods (405) in the OpenAI error envelope."""
+    """Unknown paths (404 ``unknown_url``) and wrong methods (405 with ``Allow``)."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        error = GatewayError(
-            f"{request.method} is not allowed on {request.url.path}",
-            status=405,
-            code="method_not_allowed",
-            retryable=False,
+        allow = (exc.headers or {}).get("allow", "")
+        return failure_response(
+            MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow)
         )
-        extra = {"allow": exc.headers["allow"]} if exc.headers and "allow" in exc.headers else {}
-    else:
-        error = GatewayError(f"no route {request.url.path}", status=404, code="unknown_url", retryable=False)
-        extra = {}
-    headers = dict((k.decode(), v.decode()) for k, v in error_headers(error))
-    return Response(envelope_bytes(error), status_code=error.status, headers={**headers, **extra})
+    return failure_response(UnknownRoute(f"no route {request.url.path}"))
 
 
 async def passthrough_models(upstream: UpstreamClient) -> Response:
-    """The upstream's ``GET /models`` answer (read up to 1 MiB), or a 502 / 504 envelope."""
+    """The upstream's ``GET /models`` answer (read up to 1 MiB); raises upstream failures."""
+    response = await upstream.get("/models")
     try:
-        response = await upstream.get("/models")
-        try:
-            body = b""
-            async for chunk in response.chunks():
-                body += chunk
-                if len(body) > 1 << 20:
-                    raise GatewayError(
-                        "the upstream's model list is over 1 MiB",
-                        status=502,
-                        code="upstream_response_too_large",
-                    )
-        finally:
-            await response.aclose()
-    except UpstreamError as exc:
-        raise GatewayError(
-            redact(exc.message), status=504 if exc.kind == "timeout" else 502, code=exc.code
-        ) from None
-    if response.status_code >= 400:
-        raise upstream_status_error(response.status_code, body[:65536])
+        if response.status_code >= 400:
+            raise status_failure(response.status_code, await read_limited(response), response.headers)
+        body = b""
+        async for chunk in response.chunks():
+            body += chunk
+            if len(body) > 1 << 20:
+                raise UpstreamBodyTooLarge(
+                    "the upstream's model list is over 1 MiB", size=len(body), clamp=1 << 20
+                )
+    finally:
+        await response.aclose()
     return Response(body, status_code=200, media_type="application/json")
 
 
@@ -242,6 +234,7 @@ def create_app(
         pool=pool,
         request_deadline=settings.request_deadline,
         retry_after=settings.retry_after,
+        keepalive_interval=settings.keepalive_interval,
     )
 
     async def readyz(request: Request) -> Response:
@@ -269,7 +262,8 @@ def create_app(
         Route("/metrics/", metrics_endpoint, methods=["GET"]),
     ]
     handlers: dict[Any, Any] = {
-        GatewayError: gateway_error_response,
+        Failure: failure_handler,
+        Exception: failure_handler,  # a defect: 500 internal_error (Starlette logs and re-raises it)
         404: route_error_response,
         405: route_error_response,
     }

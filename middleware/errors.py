@@ -45,6 +45,7 @@ class Failure(Exception):
     """
 
     row: ClassVar[str] = "internal"
+    code: str | None = None
 
     def __init__(
         self, message: str, *, param: str | None = None, code: str | None = None, **facts: int | float | str
@@ -52,7 +53,8 @@ class Failure(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
+        if code is not None:
+            self.code = code
         self.facts = facts
 
 
@@ -159,7 +161,6 @@ class McpServerUnavailable(Failure):
     row = "mcp_server_unavailable"
 
 
-
 # --- transitional: the pre-table error type, removed once every raise site raises a Failure ---------
 class GatewayError(Failure):
     """Transitional: a failure that still names its own HTTP status (see `middleware.outcomes`)."""
@@ -214,10 +215,14 @@ def envelope_bytes(error: GatewayError) -> bytes:
     """Transitional."""
     import json
 
-    return json.dumps(envelope(error.status, error.code or "", error.message, error.param), separators=(",", ":")).encode()
+    return json.dumps(
+        envelope(error.status, error.code or "", error.message, error.param), separators=(",", ":")
+    ).encode()
 
 
-def error_headers(error: GatewayError, *, extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+def error_headers(
+    error: GatewayError, *, extra: list[tuple[bytes, bytes]] | None = None
+) -> list[tuple[bytes, bytes]]:
     """Transitional."""
     headers = [(b"content-type", b"application/json")]
     if not error.retryable:

@@ -308,7 +308,12 @@ def retryable(outcome: Outcome) -> bool:
 def envelope(outcome: Outcome) -> dict[str, Any]:
     """The OpenAI error envelope ``{"error": {"message", "type", "param", "code"}}``."""
     return {
-        "error": {"message": outcome.message, "type": outcome.type, "param": outcome.param, "code": outcome.code}
+        "error": {
+            "message": outcome.message,
+            "type": outcome.type,
+            "param": outcome.param,
+            "code": outcome.code,
+        }
     }
 
 
@@ -346,7 +351,12 @@ def render_stream(outcome: Outcome, sequence: int, response: Mapping[str, Any] |
         "code": outcome.code,
         "message": outcome.message,
         "param": outcome.param,
-        "error": {"type": outcome.type, "code": outcome.code, "message": outcome.message, "param": outcome.param},
+        "error": {
+            "type": outcome.type,
+            "code": outcome.code,
+            "message": outcome.message,
+            "param": outcome.param,
+        },
     }
     failed = {
         "type": "response.failed",

@@ -189,8 +189,10 @@ def text_delta(seq: int, delta: str) -> bytes:
 
 
 def sse_events(body: bytes) -> list[tuple[str, Any]]:
-    """(event name, parsed data) of every frame of an SSE body; comments skipped."""
+    """(event name, parsed data) of every frame of an SSE body; comments skipped, and the
+    ``data: [DONE]`` terminator skipped as the SDKs do (it must be the last frame when present)."""
     out = []
+    done = False
     for block in body.replace(b"\r\n", b"\n").split(b"\n\n"):
         name, data = "message", []
         for line in block.split(b"\n"):
@@ -199,7 +201,19 @@ def sse_events(body: bytes) -> list[tuple[str, Any]]:
             elif line.startswith(b"data:"):
                 data.append(line[5:].strip())
         if data:
+            assert not done, "a frame after data: [DONE]"
+            if data == [b"[DONE]"]:
+                done = True
+                continue
             out.append((name, json.loads(b"\n".join(data))))
+    errors = [i for i, (name, _) in enumerate(out) if name == "error"]
+    if errors:  # DESIGN.md §5: exactly one error, then exactly one response.failed, then [DONE]
+        assert len(errors) == 1 and errors[0] == len(out) - 2, [n for n, _ in out]
+        failed_name, failed = out[-1]
+        assert failed_name == "response.failed" and failed["response"]["status"] == "failed", out[-1]
+        assert failed["response"]["error"]["code"] == out[-2][1]["code"], out[-2:]
+        assert failed["sequence_number"] == out[-2][1]["sequence_number"] + 1
+        assert done, "a failed stream must end with data: [DONE]"
     return out
 
 

@@ -193,7 +193,7 @@ def test_an_event_type_cannot_inject_sse_frames(upstream: MockUpstream) -> None:
     with gateway(upstream) as (url, _):
         r = post(url, {"model": "m", "input": "x", "stream": True, "store": False})
     names = [n for n, _ in sse_events(r.content)]
-    assert names[-1] == "error" and "response.completed" not in names
+    assert names[-2:] == ["error", "response.failed"] and "response.completed" not in names
     assert b"forged" not in r.content
 
 

@@ -197,7 +197,7 @@ def test_b06a_truncated_arguments_stream_is_stored_failed(upstream: MockUpstream
             headers=AUTH,
         )
         kept = stored(client, url, created_id(r.content))
-    assert sse_events(r.content)[-1][1]["code"] == "upstream_incomplete"
+    assert sse_events(r.content)[-2][1]["code"] == "upstream_incomplete"
     assert kept["status"] == "failed"
     assert kept["error"]["code"] == "upstream_incomplete"
     assert "write_file" not in PROBE.names()
@@ -384,7 +384,7 @@ def test_b12_in_band_error_after_a_tool_call_runs_no_tool(upstream: MockUpstream
         )
         kept = stored(client, url, created_id(streamed.content))
     names = [n for n, _ in sse_events(streamed.content)]
-    assert names.count("error") == 1 and names[-1] == "error"
+    assert names.count("error") == 1 and names[-2:] == ["error", "response.failed"]
     assert buffered.status_code == 502 and buffered.json()["error"]["code"] == "server_error"
     assert PROBE.names() == []
     assert len(upstream.requests) == 2  # one per client request: no further model call

@@ -150,10 +150,10 @@ def test_upstream_reset_at_every_event_boundary_is_one_error_frame_and_nothing_c
             assert r.status_code == 200, where
             events = sse_events(r.content)
             names = [n for n, _ in events]
-            assert names.count("error") == 1 and names[-1] == "error", (where, names)
-            assert events[-1][1]["code"] == "upstream_incomplete", where
+            assert names.count("error") == 1 and names[-2:] == ["error", "response.failed"], (where, names)
+            assert events[-2][1]["code"] == "upstream_incomplete", where
             assert not any(n in ("response.completed", "response.incomplete") for n in names), where
-            assert b"[DONE]" not in r.content
+            assert r.content.count(b"[DONE]") == 1 and r.content.endswith(b"data: [DONE]\n\n"), where
             assert [d["sequence_number"] for _, d in events] == list(range(len(events))), where
             created = [d for n, d in events if n == "response.created"]
             assert len(created) == 1, where
@@ -402,6 +402,7 @@ class Outcome:
     names: list[str] = field(default_factory=list)
     error: str | None = None
     disconnected: bool = False  # the client left while the upstream still had >= 0.3 s to stream
+    done: bool = False  # the stream ended with data: [DONE]
 
 
 SCENARIOS = ("ok", "ok", "long", "long", "rst", "error", "overflow", "tool", "stateless")
@@ -432,6 +433,9 @@ async def one_client(client: httpx.AsyncClient, url: str, rng: random.Random) ->
             if line.startswith("event:"):
                 name = line[6:].strip()
             elif line.startswith("data:"):
+                if line[5:].strip() == "[DONE]":
+                    outcome.done = True
+                    continue
                 data = json.loads(line[5:])
                 outcome.names.append(name)
                 if name == "response.created":
@@ -526,7 +530,8 @@ def test_50_streaming_clients_with_random_disconnects_leak_nothing(upstream: Moc
             assert o.response_id is None or statuses.get(o.response_id) is None
             continue
         if o.error is not None:
-            assert o.names[-1] == "error" and "response.completed" not in o.names
+            assert o.names[-2:] == ["error", "response.failed"] and "response.completed" not in o.names
+            assert o.done
             want = {"rst": "upstream_incomplete", "overflow": "max_retained_bytes_exceeded"}
             assert o.error == want.get(o.scenario, "server_error"), (o.scenario, o.error)
             assert statuses[o.response_id] == "failed", (o.scenario, o.error)

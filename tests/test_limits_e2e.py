@@ -605,12 +605,20 @@ def test_b12_raw_frames_after_the_error_are_dropped(upstream: MockUpstream) -> N
         "response.in_progress",
         "response.output_text.delta",
         "error",
+        "response.failed",
     ]
-    data = events[-1][1]
+    data = events[-2][1]
     assert data["code"] == "overloaded_error" and data["message"].startswith("Overloaded [request id req_")
-    assert data["error"] == {"type": "server_error", "code": "overloaded_error", "message": data["message"]}
+    assert data["error"] == {
+        "type": "server_error",
+        "code": "overloaded_error",
+        "message": data["message"],
+        "param": None,
+    }
     assert data["sequence_number"] == 3 and data["param"] is None and data["type"] == "error"
-    assert b"[DONE]" not in r.content and b"response.completed" not in r.content
+    # the upstream's frames after its error (and its own [DONE]) are dropped; the gateway's ends the stream
+    assert b"response.completed" not in r.content and b'"lo"' not in r.content
+    assert r.content.count(b"[DONE]") == 1 and r.content.endswith(b"data: [DONE]\n\n")
 
 
 def test_b12_non_stream_in_band_error_is_502_with_the_code(upstream: MockUpstream) -> None:
@@ -638,10 +646,10 @@ def test_mid_stream_ledger_overflow_is_exactly_one_error_frame(upstream: MockUps
         r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}, timeout=10)
     events = sse_events(r.content)
     names = [name for name, _ in events]
-    assert names.count("error") == 1 and names[-1] == "error"
+    assert names.count("error") == 1 and names[-2:] == ["error", "response.failed"]
     assert "response.completed" not in names
-    assert events[-1][1]["code"] == "max_retained_bytes_exceeded"
-    assert events[-1][1]["sequence_number"] == len(events) - 1
+    assert events[-2][1]["code"] == "max_retained_bytes_exceeded"
+    assert events[-2][1]["sequence_number"] == len(events) - 2
     assert m.delta("loopwarden_cap_hits_total", limit="max_retained_bytes", outcome="sse_error") == 1
     assert m.delta("loopwarden_stream_errors_total", code="max_retained_bytes_exceeded") == 1
 

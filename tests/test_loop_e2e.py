@@ -372,8 +372,8 @@ def test_b01_streaming_variant_is_one_error_frame(upstream: MockUpstream, mcp_ur
     events = sse_events(r.content)
     names = [name for name, _ in events]
     assert names[0] == "response.created"
-    assert names.count("error") == 1 and names[-1] == "error"
-    assert events[-1][1]["code"] == "max_infer_iters_exceeded"
+    assert names.count("error") == 1 and names[-2:] == ["error", "response.failed"]
+    assert events[-2][1]["code"] == "max_infer_iters_exceeded"
     assert "response.completed" not in names
     assert len(upstream.requests) == 3 and LOG.count("lookup") == 2
     assert m.delta("loopwarden_cap_hits_total", limit="max_infer_iters", outcome="sse_error") == 1
@@ -494,8 +494,8 @@ def test_b19_streamed_overflow_is_one_error_frame_after_the_mcp_call_events(
     assert "response.mcp_call.in_progress" in names
     assert not any(n.startswith("response.function_call") for n in names)
     assert not any(d.get("item", {}).get("type") == "function_call" for _, d in events)
-    assert names.count("error") == 1 and names[-1] == "error"
-    assert events[-1][1]["code"] == "max_retained_bytes_exceeded"
+    assert names.count("error") == 1 and names[-2:] == ["error", "response.failed"]
+    assert events[-2][1]["code"] == "max_retained_bytes_exceeded"
     assert len(upstream.requests) == 1
     assert m.delta("loopwarden_cap_hits_total", limit="max_retained_bytes", outcome="sse_error") == 1
 
@@ -599,8 +599,8 @@ def test_b06a_stream_dies_mid_arguments_and_nothing_runs(upstream: MockUpstream,
             timeout=10,
         )
     names = [n for n, _ in sse_events(r.content)]
-    assert names[-1] == "error" and names.count("error") == 1
-    assert sse_events(r.content)[-1][1]["code"] == "upstream_incomplete"
+    assert names[-2:] == ["error", "response.failed"] and names.count("error") == 1
+    assert sse_events(r.content)[-2][1]["code"] == "upstream_incomplete"
     assert buffered.status_code == 502
     assert LOG.count("write_file") == 0
 

@@ -256,7 +256,8 @@ def test_request_deadline_buffered_and_streamed(upstream: MockUpstream, tmp_path
         stored = httpx.get(url + f"/v1/responses/{events[0][1]['response']['id']}")
     assert buffered.status_code == 504 and buffered.json()["error"]["code"] == "request_deadline_exceeded"
     assert 0.9 < took < 2.5
-    assert [n for n, _ in events][-1] == "error" and events[-1][1]["code"] == "request_deadline_exceeded"
+    assert [n for n, _ in events][-2:] == ["error", "response.failed"]
+    assert events[-2][1]["code"] == "request_deadline_exceeded"
     assert stored.json()["status"] == "failed"
     assert m.delta("loopwarden_cap_hits_total", limit="request_deadline", outcome="504") == 1
     assert m.delta("loopwarden_cap_hits_total", limit="request_deadline", outcome="sse_error") == 1
@@ -340,8 +341,8 @@ def test_sigterm_drains_finishes_what_it_can_and_stores_the_true_status(
         t.join(30)
     proc.wait(timeout=30)
     outcomes = sorted(sse_events(b)[-1][0] for b in bodies)
-    assert outcomes == ["error"] * 5 + ["response.completed"] * 5
-    errors = [sse_events(b)[-1][1] for b in bodies if sse_events(b)[-1][0] == "error"]
+    assert outcomes == ["response.completed"] * 5 + ["response.failed"] * 5
+    errors = [sse_events(b)[-2][1] for b in bodies if sse_events(b)[-1][0] == "response.failed"]
     assert {e["code"] for e in errors} == {"server_shutting_down"}
     ids = {sse_events(b)[0][1]["response"]["id"]: sse_events(b)[-1][0] for b in bodies}
 

@@ -14,7 +14,7 @@ import pytest
 from starlette.types import Message
 
 from budget import Ledger
-from middleware.asgi.client_stream import Outbox
+from middleware.asgi.client_stream import ClientStream as Outbox
 from middleware.upstream.reader import read_stream_events
 from tests.helpers import DONE, PRE, gateway, message_item, sdk, sse_events, text_delta
 from tests.mock_upstream import E, MockUpstream, Reply
@@ -80,6 +80,23 @@ def test_keepalive_is_sent_only_once_committed_and_after_what_is_buffered() -> N
     assert bodies == [(b"first", True), (b"held: keep-alive\n\n", True)]
 
 
+class _Client:
+    """The four parts of a `ClientStream` that `read_stream_events` uses, as test doubles."""
+
+    def __init__(self, keepalive: Any, interval: float, idle: Any = None) -> None:
+        self.keepalive = keepalive
+        self.keepalive_interval = interval
+        self._idle = idle
+        self._start = asyncio.get_running_loop().time()
+
+    def last_sent(self) -> float:
+        return self._start
+
+    async def flush(self) -> None:
+        if self._idle is not None:
+            await self._idle()
+
+
 def _chunks(parts: list[bytes], gaps: float = 0.0) -> Any:
     class Response:
         status_code = 200
@@ -112,9 +129,7 @@ def test_keepalive_fires_only_while_the_upstream_is_quiet() -> None:
             idles.append(len(beats))
 
         seen = []
-        events = read_stream_events(
-            _chunks(parts, gaps=0.35), ledger, keepalive=keepalive, keepalive_interval=0.1, idle=idle
-        )
+        events = read_stream_events(_chunks(parts, gaps=0.35), ledger, client=_Client(keepalive, 0.1, idle))
         async for event in events:
             seen.append(event.type)
         return seen
@@ -133,7 +148,7 @@ def test_no_keepalive_task_when_bytes_keep_coming() -> None:
         before = len(asyncio.all_tasks())
         peak = before
         count = 0
-        async for _ in read_stream_events(_chunks(parts), ledger, keepalive=_never, keepalive_interval=5.0):
+        async for _ in read_stream_events(_chunks(parts), ledger, client=_Client(_never, 5.0)):
             peak = max(peak, len(asyncio.all_tasks()))
             count += 1
         assert peak == before  # no task per read (the old per-read task + asyncio.wait is gone)
@@ -153,9 +168,7 @@ def test_a_failing_keepalive_fails_the_read() -> None:
         async def gone() -> None:
             raise OSError("client went away")
 
-        async for _ in read_stream_events(
-            _chunks(PRE(), gaps=0.3), ledger, keepalive=gone, keepalive_interval=0.05
-        ):
+        async for _ in read_stream_events(_chunks(PRE(), gaps=0.3), ledger, client=_Client(gone, 0.05)):
             pass
 
     with pytest.raises(OSError, match="client went away"):
@@ -203,9 +216,10 @@ def test_events_before_an_in_band_error_precede_the_error_frame(upstream: MockUp
         "response.output_text.delta",
         "response.output_text.delta",
         "error",
+        "response.failed",
     ]
-    assert [data["sequence_number"] for _, data in events] == [0, 1, 2, 3, 4]
-    assert json.dumps(events[-1][1]).count("engine died") >= 1
+    assert [data["sequence_number"] for _, data in events] == [0, 1, 2, 3, 4, 5]
+    assert json.dumps(events[-2][1]).count("engine died") >= 1
 
 
 def test_frames_buffered_when_the_deadline_fires_precede_its_error_frame(
@@ -236,7 +250,7 @@ def test_frames_buffered_when_the_deadline_fires_precede_its_error_frame(
         "response.output_text.delta",
         "response.output_text.delta",
     ]
-    assert events[-1][0] == "error" and events[-1][1]["code"] == "request_deadline_exceeded"
+    assert events[-2][0] == "error" and events[-2][1]["code"] == "request_deadline_exceeded"
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from starlette.types import Scope
 
-from middleware.errors import GatewayError
+from middleware.errors import Unauthenticated
 
 
 def presented_key(scope: Scope) -> str:
@@ -56,10 +56,7 @@ class Authenticator:
             digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
             if not any(hmac.compare_digest(digest, known) for known in self._digests):
                 what = "no API key was presented" if not key else "the API key is not valid for this gateway"
-                raise GatewayError(
-                    f"{what}; send Authorization: Bearer <key> with a key configured by --api-key",
-                    status=401,
-                    code="invalid_api_key",
-                    retryable=False,
+                raise Unauthenticated(
+                    f"{what}; send Authorization: Bearer <key> with a key configured by --api-key"
                 )
         return owner_of_key(key)

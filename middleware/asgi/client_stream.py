@@ -159,9 +159,14 @@ class ClientStream:
             await self.flush()
 
     # -- answers -----------------------------------------------------------------------------
-    async def answer_json(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    async def answer_json(
+        self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         """A whole JSON answer: `status`, `body` bytes (content type and length added)."""
-        head = headers or [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        head = headers or [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
         await self({"type": "http.response.start", "status": status, "headers": head})
         await self({"type": "http.response.body", "body": body})
 
@@ -178,7 +183,9 @@ class ClientStream:
         data = json.dumps(obj, separators=(",", ":")).encode()
         await self({"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True})
 
-    async def forward(self, event_type: str, data: bytes, obj: dict[str, Any], *, changed: bool = False) -> None:
+    async def forward(
+        self, event_type: str, data: bytes, obj: dict[str, Any], *, changed: bool = False
+    ) -> None:
         """One upstream event: its bytes as they came when `obj` is unchanged and its
         ``sequence_number`` is already the next one (an ``int``; ``2.0`` / ``true`` are
         re-encoded), else `obj` re-encoded with the next number."""

@@ -37,7 +37,10 @@ from middleware.ops.admission import DRAIN, DrainState, ProcessPool
 log = logging.getLogger("loopwarden")
 
 #: Error codes whose limit a request can lower itself: the message then says so.
-_LOWERABLE = {"max_retained_bytes_exceeded": "max_retained_bytes", "max_infer_iters_exceeded": "max_infer_iters"}
+_LOWERABLE = {
+    "max_retained_bytes_exceeded": "max_retained_bytes",
+    "max_infer_iters_exceeded": "max_infer_iters",
+}
 
 
 class BudgetMiddleware:

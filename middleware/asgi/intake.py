@@ -128,7 +128,9 @@ class Intake:
         try:
             request = loads_strict(raw)
         except JsonInvalid as exc:
-            raise InvalidRequest(exc.message, code=exc.code, param=exc.param or locate_invalid(raw, exc.code)) from None
+            raise InvalidRequest(
+                exc.message, code=exc.code, param=exc.param or locate_invalid(raw, exc.code)
+            ) from None
         if not isinstance(request, dict):
             raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
         validate_request(request)

@@ -1,20 +1,18 @@
-"""The agentic loop for a request that declares gateway-owned (MCP) tools (DESIGN.md §6).
+"""`AgentLoop`: the server-side tool loop of one request (DESIGN.md §6).
 
-`AgentLoop.run()` makes inference calls until `classify_round` says stop: it sends each round
-upstream with the MCP tools exposed as function tools, runs the gateway-owned calls through
-`middleware.tools.catalog.run_tool_calls` (timeouts, bounded fan-out, result cap, ledger charge), feeds
-their outputs back, and answers once:
+`AgentLoop.run()` makes inference calls until `classify_round` (`middleware.loop.decision`) says
+stop: it sends each round upstream with the MCP tools exposed as function tools, runs the
+gateway-owned calls through `middleware.tools.run_tool_calls` (timeouts, bounded fan-out, result
+cap, ledger charge), feeds their outputs back, and answers once:
 
 * buffered: one response object whose ``output`` holds the ``mcp_list_tools`` items, each round's
   visible items and an ``mcp_call`` item per executed gateway call (usage summed over rounds);
-* streamed: one logical SSE stream (`StreamStitcher`) — one ``response.created`` and
-  ``response.in_progress``, a stable gateway response id, ``sequence_number`` from 0,
-  ``output_index`` offset by earlier rounds, gateway ``function_call`` events hidden and replaced by
-  ``mcp_call`` lifecycle events, exactly one terminal event.
+* streamed: one logical SSE stream (`middleware.loop.stitcher.StreamStitcher`).
 
-Within a round, the visible items keep their order and the round's ``mcp_call`` items follow them.
-Failures are raised for the middleware to answer: `LoopDetected` becomes 508
-``max_infer_iters_exceeded`` (or one SSE error frame after commit).
+Every request that uses the store or declares MCP tools runs here (the rest take
+`middleware.loop.passthrough`). Within a round, the visible items keep their order and the
+round's ``mcp_call`` items follow them. Failures are raised for the guard to settle
+(`LoopLimitReached` is 508 ``max_infer_iters_exceeded``, or the error frames after commit).
 """
 
 from __future__ import annotations
@@ -22,14 +20,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
-from budget import BudgetExceeded, ChargeModel, count_json_nodes
-from middleware.asgi.client_stream import Outbox
-from middleware.errors import GatewayError, InvalidRequest, redact
+from budget import ChargeModel, count_json_nodes
+from middleware.errors import InvalidRequest, LoopLimitReached
+from middleware.loop.approvals import approval_id, check_call_pairs, pending_approvals
 from middleware.loop.context import RequestContext
 from middleware.loop.decision import (
     Continue,
@@ -40,169 +37,50 @@ from middleware.loop.decision import (
     RoundState,
     classify_round,
 )
+from middleware.loop.items import (
+    TERMINAL_STATUS,
+    approval_request_item,
+    as_input_items,
+    epoch_seconds,
+    mcp_call_item,
+    new_id,
+    public_tools,
+    sum_usage,
+)
+from middleware.loop.stitcher import StreamStitcher
 from middleware.ops import metrics
 from middleware.state import GatewayState
-from middleware.store.history import (
-    Restored,
-    approval_id,
-    check_call_pairs,
-    pending_approvals,
-    restore_history,
-)
+from middleware.store.history import Restored, restore_history
 from middleware.store.store import RESPONSE_STATUSES, StoredResponse
 from middleware.tools.catalog import ResolvedTools, ToolOutcome, run_tool_calls
-from middleware.upstream.httpx_client import UpstreamError, UpstreamResponse, upstream_status_error
+from middleware.upstream.errors import UpstreamInvalid, read_limited, status_failure, stream_error_failure
+from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
     TERMINAL_EVENTS,
     StreamAccumulator,
-    UpstreamEvent,
-    invalid,
+    no_terminal_event,
     read_response_object,
     read_stream_events,
 )
-from middleware.upstream.sse import encode_event
 
 T = TypeVar("T")
 LISTING_MODEL = ChargeModel.cpython()  # charges the MCP tool listings a request holds
 log = logging.getLogger("loopwarden")
-TERMINAL_STATUS = {
-    "response.completed": "completed",
-    "response.incomplete": "incomplete",
-    "response.failed": "failed",
-}
-LIFECYCLE = frozenset({"response.created", "response.in_progress", "response.queued"})
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-ERROR_BODY_LIMIT = 64 * 1024
-
-
-def new_id(prefix: str) -> str:
-    """A fresh opaque id such as ``resp_<32 hex>``."""
-    return f"{prefix}_{secrets.token_hex(16)}"
-
-
-def upstream_error_event(obj: dict[str, Any]) -> GatewayError:
-    """An in-band upstream ``error`` event as the §5 outcome (502, its code and message kept).
-
-    Accepts the flat ``ResponseErrorEvent`` shape and the nested ``{"error": {...}}`` one; counts
-    ``loopwarden_upstream_errors_total{kind="stream_error"}``.
-    """
-    metrics.UPSTREAM_ERRORS.labels(kind="stream_error").inc()
-    raw_nested = obj.get("error")
-    nested: dict[str, Any] = raw_nested if isinstance(raw_nested, dict) else {}
-    message = obj.get("message") or nested.get("message") or "upstream reported an error"
-    code = obj.get("code") or nested.get("code") or nested.get("type") or "upstream_error"
-    return GatewayError(redact(str(message))[:4000], status=502, code=str(code)[:200])
-
-
-async def read_limited(response: UpstreamResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
-    """At most `limit` bytes of an upstream body (for error envelopes)."""
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in response.chunks():
-        parts.append(chunk[: limit - size])
-        size += len(chunk)
-        if size >= limit:
-            break
-    return b"".join(parts)
-
-
-def sum_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None:
-    """Add one round's ``usage`` object into `total` (integers summed, nested details too)."""
-    if not isinstance(usage, dict):
-        return total
-    out: dict[str, Any] = dict(total or {})
-    for key, value in usage.items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            prior = out.get(key)
-            out[key] = (prior if isinstance(prior, int) else 0) + value
-        elif isinstance(value, dict):
-            prior_dict = out.get(key)
-            out[key] = sum_usage(prior_dict if isinstance(prior_dict, dict) else None, value)
-        elif key not in out:
-            out[key] = value
-    return out
-
-
-def _epoch(value: Any) -> int:
-    """An upstream ``created_at`` as epoch seconds (now when it is missing or not a sane number)."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e11:
-        return int(value)
-    return int(time.time())
-
-
-def as_input_items(value: Any) -> list[dict[str, Any]]:
-    """The request's ``input`` as a list of items (a string becomes one user message)."""
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    if isinstance(value, list):
-        return [item for item in value if isinstance(item, dict)]
-    return []
-
-
-SECRET_TOOL_FIELDS = ("headers", "authorization")
-
-
-def public_tools(tools: Any) -> list[Any]:
-    """The request's ``tools`` as echoed in a response: MCP ``headers`` / ``authorization`` are
-    secrets sent to that server only, so they are shown as null (DESIGN.md §6)."""
-    if not isinstance(tools, list):
-        return []
-    out: list[Any] = []
-    for tool in tools:
-        if (
-            isinstance(tool, dict)
-            and tool.get("type") == "mcp"
-            and any(k in tool for k in SECRET_TOOL_FIELDS)
-        ):
-            tool = {k: (None if k in SECRET_TOOL_FIELDS else v) for k, v in tool.items()}
-        out.append(tool)
-    return out
-
-
-def call_arguments(call: dict[str, Any]) -> str:
-    """A call's ``arguments`` as re-emitted to the client: valid JSON text (``"{}"`` for a
-    parameterless call whose upstream sent ``""`` or null, case B07)."""
-    arguments = call.get("arguments")
-    return arguments if isinstance(arguments, str) and arguments.strip() else "{}"
-
-
-def mcp_call_item(
-    call: dict[str, Any], outcome: ToolOutcome, server_label: str, name: str, item_id: str
-) -> dict[str, Any]:
-    """The client-visible ``mcp_call`` item of an executed gateway call."""
-    item: dict[str, Any] = {
-        "type": "mcp_call",
-        "id": item_id,
-        "server_label": server_label,
-        "name": name,
-        "arguments": call_arguments(call),
-        "output": outcome.output if outcome.error is None else None,
-        "error": None,
-        "status": "completed" if outcome.error is None else "failed",
-    }
-    if outcome.error is not None:
-        item["error"] = {
-            "type": "mcp_tool_execution_error",
-            "content": [{"type": "text", "text": outcome.output}],
-        }
-    return item
 
 
 class AgentLoop:
     """The rounds of one request whose tools include gateway-owned MCP tools.
 
-    ``state``: process state (settings, upstream client); ``ctx``: the admitted request;
-    ``send``: the ASGI send (wrapped by the middleware) behind an `Outbox` that coalesces SSE
-    frames; ``resolved``: the request's tools.
+    ``state``: process state (settings, upstream client); ``ctx``: the admitted request (its
+    ``client`` is the one writer to the client); ``resolved``: the request's tools.
     """
 
-    def __init__(
-        self, state: GatewayState, ctx: RequestContext, send: Outbox, resolved: ResolvedTools
-    ) -> None:
+    def __init__(self, state: GatewayState, ctx: RequestContext, resolved: ResolvedTools) -> None:
         self.state = state
         self.ctx = ctx
-        self.send = send
+        self.client = ctx.client
         self.resolved = resolved
+        self.rounds = 0  # inference calls made so far
         self.response_id = new_id("resp")
         self.request = ctx.request
         self.input_items = as_input_items(self.request.get("input"))  # as the client sent them
@@ -218,7 +96,11 @@ class AgentLoop:
         self.max_tool_calls: int | None = (
             int(max_tool_calls) if isinstance(max_tool_calls, int | float) else None
         )
-        self.stitcher = StreamStitcher(self) if ctx.stream else None
+        self.stitcher = (
+            StreamStitcher(ctx.client, resolved, self.response_id, self.request, self.items)
+            if ctx.stream
+            else None
+        )
         self.persisted = False
         self.rounds_observed = False
         self._round_acc: StreamAccumulator | None = None
@@ -228,31 +110,14 @@ class AgentLoop:
     async def run(self) -> None:
         """Serve the request: prepare (history, approvals), loop the rounds, answer once.
 
-        Raises `GatewayError` (508 loop detected, 400/404/413 history problems, 502 upstream
-        problems), `budget.BudgetExceeded` / `PoolExhausted`, or `UpstreamError` for the
-        middleware to answer; the response's true status is stored first when the store is on.
+        Raises failures (`middleware.errors`, `middleware.upstream.errors`, `budget`) for the
+        guard to settle; before it does, the guard stores the response's true status through
+        ``ctx.hooks.persist_failure``, which this sets (DESIGN.md §7).
         """
+        self.ctx.hooks.persist_failure = self._persist_failure
         try:
             await self._prepare()
             await self._loop()
-        except asyncio.CancelledError:
-            reason = self.ctx.cancel_reason
-            if isinstance(reason, GatewayError):  # ended by the gateway (deadline, drain), not the client
-                await self._persist_failure("failed", {"code": reason.code, "message": reason.message})
-            else:
-                await self._persist_failure("cancelled", None)
-            raise
-        except GatewayError as error:
-            await self._persist_failure("failed", {"code": error.code, "message": error.message})
-            raise
-        except BudgetExceeded as exc:
-            await self._persist_failure(
-                "failed", {"code": "max_retained_bytes_exceeded", "message": str(exc)}
-            )
-            raise
-        except UpstreamError as exc:
-            await self._persist_failure("failed", {"code": exc.code, "message": exc.message})
-            raise
         finally:
             self._observe_rounds()
 
@@ -260,7 +125,7 @@ class AgentLoop:
         """``loopwarden_inference_rounds`` once per request (before the final bytes when it can)."""
         if not self.rounds_observed:
             self.rounds_observed = True
-            metrics.INFERENCE_ROUNDS.observe(self.ctx.rounds)
+            metrics.INFERENCE_ROUNDS.observe(self.rounds)
 
     async def _prepare(self) -> None:
         """Charge the tool lists, restore stored history, check call pairing, and settle answered
@@ -272,10 +137,7 @@ class AgentLoop:
             # 1 MiB request; a 3000-tool listing is still refused before any upstream call.
             listed = json.dumps(self.resolved.list_items, separators=(",", ":")).encode()
             charge = LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), self.ctx.store)
-            try:
-                self.ctx.ledger.reserve(charge)
-            except BudgetExceeded as exc:
-                raise BudgetExceeded("accumulated", exc.requested, exc.charged, exc.limit) from None
+            self.ctx.ledger.reserve(charge)
         store = self.state.store
         if store is not None:
             self.restored = await restore_history(self.request, store, self.ctx.owner, self.ctx.ledger)
@@ -338,7 +200,7 @@ class AgentLoop:
 
     async def _loop(self) -> None:
         while True:
-            self.ctx.rounds += 1
+            self.rounds += 1
             terminal, output = await self._round(self._upstream_body())
             self.usage = sum_usage(self.usage, terminal.get("usage"))
             gateway_calls, client_calls, approvals = self._split_calls(output)
@@ -351,19 +213,17 @@ class AgentLoop:
                     gateway_calls=gateway_calls,
                     client_calls=client_calls + approvals,
                     tool_calls_left=left,
-                    inference_calls=self.ctx.rounds,
+                    inference_calls=self.rounds,
                     max_infer_iters=self.ctx.limits.max_infer_iters,
                 )
             )
             if isinstance(decision, LoopDetected):
-                raise GatewayError(
+                raise LoopLimitReached(
                     f"the model still called gateway tools after {decision.inference_calls} inference calls "
                     f"(max_infer_iters={self.ctx.limits.max_infer_iters}); raise max_infer_iters or change the "
                     "prompt or tools so that the model can finish",
-                    status=508,
-                    code="max_infer_iters_exceeded",
-                    retryable=False,
-                    limit="max_infer_iters",
+                    calls=decision.inference_calls,
+                    limit=self.ctx.limits.max_infer_iters,
                 )
             run: tuple[dict[str, Any], ...] = () if isinstance(decision, Done) else decision.run
             pending_ids = {id(c) for c in approvals} if isinstance(decision, RequiresClientAction) else set()
@@ -410,9 +270,11 @@ class AgentLoop:
             if item.get("type") == "function_call":
                 call_id, name = item.get("call_id"), item.get("name")
                 if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
-                    raise invalid("upstream returned a function_call without a string call_id and name")
+                    raise UpstreamInvalid(
+                        "upstream returned a function_call without a string call_id and name"
+                    )
                 if call_id in seen:
-                    raise invalid(f"upstream returned a duplicate call_id {call_id[:100]!r}")
+                    raise UpstreamInvalid(f"upstream returned a duplicate call_id {call_id[:100]!r}")
                 seen.add(call_id)
             if item.get("type") != "function_call":
                 if item.get("type") in (
@@ -449,7 +311,7 @@ class AgentLoop:
         if "reasoning.encrypted_content" not in include:
             include.append("reasoning.encrypted_content")
         body["include"] = include
-        if self.ctx.rounds > 1:
+        if self.rounds > 1:
             body["tool_choice"] = "auto"
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -471,14 +333,14 @@ class AgentLoop:
         return await self._with_keepalive(work)
 
     async def _with_keepalive(self, work: Awaitable[T]) -> T:
-        await self.send.flush()  # what is buffered reaches the client before the wait
+        await self.client.flush()  # what is buffered reaches the client before the wait
         task = asyncio.ensure_future(work)
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=self.state.settings.keepalive_interval)
+                done, _ = await asyncio.wait({task}, timeout=self.client.keepalive_interval)
                 if done:
                     return task.result()
-                await self.send.keepalive()
+                await self.client.keepalive()
         finally:
             if not task.done():
                 task.cancel()
@@ -530,13 +392,9 @@ class AgentLoop:
         for call in approvals:
             tool = self.resolved.gateway_tool(str(call.get("name")))
             assert tool is not None
-            request = {
-                "type": "mcp_approval_request",
-                "id": approval_id(str(call.get("call_id"))),
-                "server_label": tool.server_label,
-                "name": tool.name,
-                "arguments": call_arguments(call),
-            }
+            request = approval_request_item(
+                call, approval_id(str(call.get("call_id"))), tool.server_label, tool.name
+            )
             self.items.append(request)
             if self.stitcher is not None:
                 await self.stitcher.add_item(request)
@@ -572,7 +430,7 @@ class AgentLoop:
             StoredResponse(
                 id=self.response_id,
                 owner=self.ctx.owner,
-                created_at=_epoch(response.get("created_at")),
+                created_at=epoch_seconds(response.get("created_at")),
                 status=status if status in RESPONSE_STATUSES else "completed",
                 model=str(self.request.get("model")),
                 previous_response_id=self.restored.previous_response_id,
@@ -609,25 +467,20 @@ class AgentLoop:
             "tools": public_tools(self.request.get("tools")),
             "previous_response_id": self.restored.previous_response_id,
         }
-        try:
-            await asyncio.shield(self._persist_checked(response))
-        except Exception:
-            log.exception("could not store the %s status of response %s", status, self.response_id)
+        await self._persist_checked(response)
 
     async def _finish(self, terminal: dict[str, Any], decision: Any) -> None:
         final = self._final_response(terminal, decision)
         raw = json.dumps(final, separators=(",", ":")).encode()
         self.ctx.ledger.admit_terminal(raw)
         self.persisted = True
-        await self.send.flush()  # the last round's events do not wait for the store
+        await self.client.flush()  # the last round's events do not wait for the store
         await self._persist_checked(final)
         self._observe_rounds()
         if self.stitcher is not None:
             await self.stitcher.terminal(final)
             return
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self.send({"type": "http.response.body", "body": raw})
+        await self.client.answer_json(200, raw)
 
     # -- one round -------------------------------------------------------------------------
     async def _round(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -635,7 +488,7 @@ class AgentLoop:
         response = await self._with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
         try:
             if response.status_code >= 400:
-                raise upstream_status_error(response.status_code, await read_limited(response))
+                raise status_failure(response.status_code, await read_limited(response), response.headers)
             if response.headers.get("content-type", "").lower().startswith("text/event-stream"):
                 return await self._round_stream(response)
             return await self._round_buffered(response)
@@ -657,228 +510,21 @@ class AgentLoop:
         events = read_stream_events(
             response,
             self.ctx.ledger,
-            keepalive=self.send.keepalive,
-            keepalive_interval=self.state.settings.keepalive_interval,
-            idle=self.send.flush,
-            last_sent=self.send.last_sent,
+            client=self.client,
         )
         async for event in events:
             if event.type == "error":
-                raise upstream_error_event(event.obj)
+                raise stream_error_failure(event.obj)
             acc.apply(event)
             if self.stitcher is not None:
                 await self.stitcher.forward(event)
             if event.type in TERMINAL_EVENTS:
                 break
         if acc.terminal is None:
-            raise GatewayError(
-                "upstream stream ended without a terminal event", status=502, code="upstream_incomplete"
-            )
+            raise no_terminal_event()
         # The terminal event's type is the round's status: a response.failed / .incomplete never
         # runs tools, whatever its "status" field says (DESIGN.md §6).
         status = TERMINAL_STATUS[acc.terminal_type or "response.completed"]
         terminal, output = {**acc.terminal, "status": status}, acc.output()
         self._round_acc = acc  # released once the round's kept items are recorded
         return terminal, output
-
-
-class StreamStitcher:
-    """Turns the SSE events of every round into one logical client stream (DESIGN.md §6)."""
-
-    def __init__(self, loop: AgentLoop) -> None:
-        self.loop = loop
-        self.ctx = loop.ctx
-        self.next_index = 0
-        self.created = False  # response.created sent
-        self.started = False  # the first round's lifecycle events are through; mcp_list_tools sent
-        self.listed = False
-        self.round_map: dict[int, int | None] = {}  # upstream output_index -> client index (None: hidden)
-        self.call_ids: dict[int, str] = {}  # id(function_call item) -> mcp_call item id
-        self.call_index: dict[int, int] = {}
-
-    async def _emit(self, event_type: str, obj: dict[str, Any]) -> None:
-        if not self.ctx.committed:
-            await self.loop.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        obj["sequence_number"] = self.ctx.next_sequence
-        self.ctx.next_sequence += 1
-        data = json.dumps(obj, separators=(",", ":")).encode()
-        await self.loop.send(
-            {"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True}
-        )
-
-    def _public_response(self, response: dict[str, Any]) -> dict[str, Any]:
-        public = dict(response)
-        public["id"] = self.loop.response_id
-        public["tools"] = public_tools(self.loop.request.get("tools"))
-        public["tool_choice"] = self.loop.request.get("tool_choice", "auto")
-        return public
-
-    async def _list_tools(self) -> None:
-        if self.listed:
-            return
-        self.listed = True
-        for item in self.loop.resolved.list_items:
-            index = self.next_index
-            self.next_index += 1
-            await self._item_event("response.output_item.added", index, item)
-            for kind in ("response.mcp_list_tools.in_progress", "response.mcp_list_tools.completed"):
-                await self._emit(kind, {"type": kind, "output_index": index, "item_id": item["id"]})
-            await self._item_event("response.output_item.done", index, item)
-
-    async def ensure_started(self) -> None:
-        """Open the client stream before any upstream event (work done ahead of the first round)."""
-        if not self.started:
-            response = {
-                "id": self.loop.response_id,
-                "object": "response",
-                "model": self.loop.request.get("model"),
-            }
-            await self._start(response)
-            self.started = True
-            await self._emit(
-                "response.in_progress",
-                {
-                    "type": "response.in_progress",
-                    "response": {**self._public_response(response), "status": "in_progress", "output": []},
-                },
-            )
-            await self._list_tools()
-
-    async def _start(self, response: dict[str, Any]) -> None:
-        if not self.created:
-            self.created = True
-            created = {**self._public_response(response), "status": "in_progress", "output": []}
-            await self._emit("response.created", {"type": "response.created", "response": created})
-
-    async def forward(self, event: UpstreamEvent) -> None:
-        """Forward, rewrite or hide one upstream event of the current round (terminal events are held)."""
-        obj = event.obj
-        raw_response = obj.get("response")
-        response: dict[str, Any] = raw_response if isinstance(raw_response, dict) else {}
-        if event.type in LIFECYCLE:
-            if self.started:
-                return  # later rounds: one response.created / in_progress per client request
-            if event.type == "response.created":
-                await self._start(response)
-                return
-            await self._start(response)
-            obj["response"] = self._public_response(response)
-            await self._emit(event.type, obj)
-            if event.type == "response.in_progress":
-                self.started = True
-                await self._list_tools()
-            return
-        if event.type in TERMINAL_EVENTS:
-            self.round_map = {}
-            await self.ensure_started()  # an upstream that sent nothing before its terminal event
-            return
-        if not self.started:
-            await self._start(response)
-            self.started = True
-            await self._list_tools()
-        index = obj.get("output_index")
-        if event.type == "response.output_item.added" and isinstance(index, int):
-            item = obj.get("item")
-            hidden = (
-                isinstance(item, dict)
-                and item.get("type") == "function_call"
-                and self.loop.resolved.gateway_tool(str(item.get("name"))) is not None
-            )
-            if hidden:
-                self.round_map[index] = None
-                return
-            self.round_map[index] = self.next_index
-            self.next_index += 1
-        changed = event.changed
-        if isinstance(index, int):
-            if index not in self.round_map:  # an upstream that skipped output_item.added
-                self.round_map[index] = self.next_index
-                self.next_index += 1
-            mapped = self.round_map[index]
-            if mapped is None:
-                return
-            if mapped != index:
-                obj["output_index"] = mapped
-                changed = True
-        if isinstance(obj.get("response"), dict):
-            obj["response"] = self._public_response(obj["response"])
-            changed = True
-        sequence = obj.get("sequence_number")
-        if not changed and type(sequence) is int and sequence == self.ctx.next_sequence:
-            # nothing to rewrite (most deltas of a first round): the upstream's bytes go out as they are
-            if not self.ctx.committed:
-                await self.loop.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            self.ctx.next_sequence += 1
-            await self.loop.send(
-                {
-                    "type": "http.response.body",
-                    "body": encode_event(event.type, event.data),
-                    "more_body": True,
-                }
-            )
-            return
-        await self._emit(event.type, obj)
-
-    async def synthesize(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
-        """Emit events for a buffered upstream answer (a server that ignored ``stream``)."""
-        if not self.started:
-            await self._start(response)
-            self.started = True
-            await self._list_tools()
-        for item in items:
-            if (
-                item.get("type") == "function_call"
-                and self.loop.resolved.gateway_tool(str(item.get("name"))) is not None
-            ):
-                continue
-            await self.add_item(item)
-
-    async def _item_event(self, kind: str, index: int, item: dict[str, Any]) -> None:
-        """``response.output_item.added`` / ``.done`` for `item` at client `index`."""
-        await self._emit(kind, {"type": kind, "output_index": index, "item": item})
-
-    async def add_item(self, item: dict[str, Any]) -> None:
-        """A complete item (an approval request, an item of a buffered answer): added and done."""
-        index = self.next_index
-        self.next_index += 1
-        await self._item_event("response.output_item.added", index, item)
-        await self._item_event("response.output_item.done", index, item)
-
-    async def announce_call(self, call: dict[str, Any]) -> None:
-        """An ``mcp_call`` item is added (in progress) for a gateway call about to run."""
-        await self.ensure_started()
-        tool = self.loop.resolved.gateway_tool(str(call.get("name")))
-        assert tool is not None
-        item_id = new_id("mcp")
-        index = self.next_index
-        self.next_index += 1
-        self.call_ids[id(call)] = item_id
-        self.call_index[id(call)] = index
-        item = {
-            "type": "mcp_call",
-            "id": item_id,
-            "server_label": tool.server_label,
-            "name": tool.name,
-            "arguments": call_arguments(call),
-            "status": "in_progress",
-        }
-        await self._item_event("response.output_item.added", index, item)
-        await self._emit(
-            "response.mcp_call.in_progress",
-            {"type": "response.mcp_call.in_progress", "output_index": index, "item_id": item_id},
-        )
-
-    async def finish_call(self, call: dict[str, Any], item: dict[str, Any]) -> None:
-        """The ``mcp_call`` of an executed gateway call completes (or fails)."""
-        index = self.call_index[id(call)]
-        kind = "response.mcp_call.completed" if item["status"] == "completed" else "response.mcp_call.failed"
-        await self._emit(kind, {"type": kind, "output_index": index, "item_id": item["id"]})
-        await self._item_event("response.output_item.done", index, item)
-
-    async def terminal(self, final: dict[str, Any]) -> None:
-        """The one terminal event, then the end of the stream."""
-        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
-            str(final.get("status")), "response.completed"
-        )
-        await self._emit(kind, {"type": kind, "response": final})
-        await self.loop.send({"type": "http.response.body", "body": b"", "more_body": False})

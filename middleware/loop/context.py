@@ -9,7 +9,7 @@ loop fills so that the guard can store a failure's true status (`middleware.outc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from budget import Ledger, Limits
@@ -54,7 +54,7 @@ class RequestContext:
     hooks: RequestHooks = dataclasses.field(default_factory=RequestHooks)
 
 
-def context_of(scope: dict[str, Any]) -> RequestContext:
+def context_of(scope: MutableMapping[str, Any]) -> RequestContext:
     """The `RequestContext` the guard put in `scope`; KeyError when there is none."""
     ctx = scope["loopwarden"]
     assert isinstance(ctx, RequestContext)

@@ -37,6 +37,7 @@ class UpstreamError(Failure):
 
     kind = "protocol"
     row = "upstream_invalid"
+    code = "upstream_invalid_response"
 
 
 class UpstreamTimeout(UpstreamError):
@@ -44,6 +45,7 @@ class UpstreamTimeout(UpstreamError):
 
     kind = "timeout"
     row = "upstream_timeout"
+    code = "upstream_timeout"
 
     def __init__(self, message: str, *, phase: str) -> None:
         super().__init__(message, phase=phase)
@@ -55,6 +57,7 @@ class UpstreamConnectError(UpstreamError):
 
     kind = "connect"
     row = "upstream_unavailable"
+    code = "upstream_unavailable"
 
 
 class UpstreamIncomplete(UpstreamError):
@@ -62,6 +65,7 @@ class UpstreamIncomplete(UpstreamError):
 
     kind = "eof"
     row = "upstream_incomplete"
+    code = "upstream_incomplete"
 
 
 class UpstreamInvalid(UpstreamError):
@@ -83,12 +87,15 @@ class UpstreamBodyTooLarge(UpstreamError):
 
     kind = "protocol"
     row = "upstream_body_too_large"
+    code = "upstream_response_too_large"
 
 
 class UpstreamStatus(UpstreamError):
     """The upstream answered an HTTP error. ``status``: its status; ``code`` / ``param``: from its
     envelope when it sent one; ``passed_headers``: its lower-cased headers (the outcome table
     passes ``Retry-After`` and ``x-ratelimit-*`` on)."""
+
+    code = None
 
     def __init__(
         self,
@@ -110,6 +117,7 @@ class UpstreamStreamError(UpstreamError):
 
     kind = "stream_error"
     row = "upstream_stream_error"
+    code = None
 
 
 async def read_limited(response: UpstreamResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
@@ -148,9 +156,7 @@ def status_failure(status: int, body: bytes, headers: Mapping[str, str] | None =
             message = err
     message = redact(message)[:4000]
     if status in (401, 403):
-        message = (
-            f"the upstream refused the gateway's credentials (HTTP {status}): {message}; check --upstream-api-key"
-        )
+        message = f"the upstream refused the gateway's credentials (HTTP {status}): {message}; check --upstream-api-key"
     return UpstreamStatus(message, status=status, code=code, param=param, headers=headers)
 
 

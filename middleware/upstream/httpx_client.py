@@ -166,7 +166,6 @@ class HttpxUpstream:
 
 # transitional re-exports (callers move to middleware.upstream.errors / .protocol)
 from middleware.upstream.errors import (  # noqa: E402,F401
-    UpstreamDecodeError as UpstreamDecodeError,
     status_failure as upstream_status_error,
 )
-from middleware.upstream.protocol import UpstreamClient as UpstreamClient  # noqa: E402,F401
+from middleware.upstream.protocol import UpstreamClient as UpstreamClient  # noqa: E402

@@ -1,13 +1,15 @@
 """Reading one upstream round under the ledger: SSE streams and buffered JSON bodies.
 
 `read_stream_events` feeds the upstream body to the SSE parser in slices of at most 4 KiB, charging
-the parser's buffer (``admit_stream_chunk`` / ``release_stream_bytes``) and each complete frame's
-parse (``check_stream_frame``, transient) before ``json.loads`` runs, and yields `UpstreamEvent`s.
+the parser's buffer and each complete frame (``admit_stream_bytes``, released once the frame is
+handed out) and each frame's parse (``check_stream_frame``, transient) before ``json.loads`` runs,
+and yields `UpstreamEvent`s.
 `StreamAccumulator` keeps what a round needs once its stream is over — delta text until its item
 is done, finished items, the terminal response — each charged with ``admit_accumulated`` and a
 replaced snapshot released only after its replacement was admitted (DESIGN.md §4).
 `read_buffered_body` reads a JSON body under ``admit_output`` with the ``max_retained_bytes // 8``
-clamp (DESIGN.md §3). Failures raise `GatewayError` / `UpstreamError` / `BudgetExceeded`.
+clamp (DESIGN.md §3). Upstream JSON is parsed without ``NaN`` / ``Infinity`` (they cannot be
+re-encoded as JSON). Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import dataclasses
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from budget import JsonNodeCounter, JsonTooDeep, Ledger
-from middleware.errors import GatewayError
-from middleware.upstream.httpx_client import UpstreamResponse
+from middleware.upstream.errors import UpstreamBodyTooLarge, UpstreamIncomplete, UpstreamInvalid
+from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
+
+if TYPE_CHECKING:
+    from middleware.asgi.client_stream import ClientStream
 
 EVENT_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # what may be written into an `event:` line
 SLICE = 4096  # bytes fed to the SSE parser at a time, so charges do not depend on socket reads
@@ -43,40 +48,41 @@ class UpstreamEvent:
     changed: bool = False
 
 
-def incomplete(message: str) -> GatewayError:
-    """502 ``upstream_incomplete`` (DESIGN.md §5)."""
-    return GatewayError(message, status=502, code="upstream_incomplete")
+def no_terminal_event() -> UpstreamIncomplete:
+    """The one failure of a stream that ended without a terminal event."""
+    return UpstreamIncomplete("upstream stream ended without a terminal event")
 
 
-def invalid(message: str) -> GatewayError:
-    """502 ``upstream_invalid_response`` (DESIGN.md §5)."""
-    return GatewayError(message, status=502, code="upstream_invalid_response")
+def _reject_constant(name: str) -> Any:
+    raise UpstreamInvalid(f"upstream JSON holds {name}, which JSON cannot carry")
+
+
+def loads_upstream(data: bytes | str) -> Any:
+    """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` raise `UpstreamInvalid`."""
+    return json.loads(data, parse_constant=_reject_constant)
 
 
 async def read_stream_events(
     response: UpstreamResponse,
     ledger: Ledger,
     *,
-    keepalive: Callable[[], Awaitable[None]] | None = None,
-    keepalive_interval: float = 15.0,
-    idle: Callable[[], Awaitable[None]] | None = None,
-    last_sent: Callable[[], float] | None = None,
+    client: ClientStream | None = None,
 ) -> AsyncIterator[UpstreamEvent]:
     """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
 
-    ``keepalive`` (when given) is awaited while the gateway waits for upstream bytes and nothing
-    was sent to the client for ``keepalive_interval`` seconds: since ``last_sent()`` (event-loop
-    time of the last client write, e.g. `Outbox.last_sent`) when given, else since the wait began.
-    Upstream bytes that complete no event (comments, a long frame trickling in) do not put it
-    off. ``idle`` (when given) is awaited each time every event of the bytes received so
-    far has been handed out, before waiting for more (the caller flushes its `Outbox` there).
+    With a `ClientStream` (``client``): it is flushed each time every event of the bytes received
+    so far has been handed out, before waiting for more; and while the gateway waits for upstream
+    bytes and nothing was sent to the client for ``client.keepalive_interval`` seconds (since
+    ``client.last_sent()``), a keep-alive comment is sent. Upstream bytes that complete no event
+    (comments, a long frame trickling in) do not put it off.
     Comments, ``retry:``/``id:``-only blocks, empty data and ``[DONE]`` yield nothing.
-    Raises 502 ``upstream_invalid_response`` for a frame that is not a JSON object, 502
-    ``upstream_incomplete`` for bad encoding, `BudgetExceeded` when the ledger trips.
+    Raises `UpstreamInvalid` for a frame that is not a JSON object (or holds ``NaN``),
+    `UpstreamIncomplete` for bad encoding, `BudgetExceeded` when the ledger trips.
     """
     parser = SSEParser()
     chunks = response.chunks()
-    timer = _KeepaliveTimer(keepalive, keepalive_interval, last_sent) if keepalive is not None else None
+    timer = _KeepaliveTimer(client.keepalive, client.keepalive_interval, client.last_sent) if client else None
+    idle = client.flush if client is not None else None
     held = 0  # retained charge for the bytes of the incomplete frame (32 x parser.pending)
     frame = 0  # retained charge for the frame being handed out
     ended = False
@@ -97,7 +103,7 @@ async def read_stream_events(
                 try:
                     events = parser.feed(piece) if piece else parser.flush()
                 except SSEDecodeError as exc:
-                    raise incomplete(str(exc)) from None
+                    raise UpstreamIncomplete(str(exc)) from None
                 for event in events:
                     # Charged per whole frame (its partial charge released first): the same
                     # checks, in the same order, however the stream was split into reads.
@@ -208,17 +214,17 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
         return None
     ledger.check_stream_frame(data)
     try:
-        obj = json.loads(data)
+        obj = loads_upstream(data)
     except UnicodeDecodeError:
-        raise incomplete("upstream SSE data is not valid UTF-8") from None
+        raise UpstreamIncomplete("upstream SSE data is not valid UTF-8") from None
     except (ValueError, RecursionError):
-        raise invalid(f"upstream SSE data is not JSON: {data[:80]!r}") from None
+        raise UpstreamInvalid(f"upstream SSE data is not JSON: {data[:80]!r}") from None
     if not isinstance(obj, dict):
-        raise invalid("upstream SSE data is not a JSON object")
+        raise UpstreamInvalid("upstream SSE data is not a JSON object")
     kind = obj.get("type")
     kind = kind if isinstance(kind, str) else event.event
     if not EVENT_TYPE.fullmatch(kind):
-        raise invalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
+        raise UpstreamInvalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
     return UpstreamEvent(kind, data, obj)
 
 
@@ -311,13 +317,11 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
     clamp = ledger.limit // 8
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > clamp:
-        raise GatewayError(
+        raise UpstreamBodyTooLarge(
             f"upstream response declares {int(declared)} bytes, over the {clamp}-byte clamp "
             f"(max_retained_bytes // 8); raise max_retained_bytes or ask the model for less",
-            status=502,
-            code="upstream_response_too_large",
-            retryable=False,
-            limit="upstream_body",
+            size=int(declared),
+            clamp=clamp,
         )
     counter = JsonNodeCounter(max_depth=MAX_UPSTREAM_DEPTH)
     parts: list[bytes] = []
@@ -330,12 +334,16 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
                 # a response object or nothing: an SSE or HTML body without its content type is
                 # refused as what it is, not charged (its text would count as many JSON nodes)
                 if head[:1] != b"{":
-                    raise invalid(f"upstream answered with a body that is not a JSON object: {head[:40]!r}")
+                    raise UpstreamInvalid(
+                        f"upstream answered with a body that is not a JSON object: {head[:40]!r}"
+                    )
                 opened = True
             try:
                 total = counter.feed(chunk)
             except JsonTooDeep:
-                raise invalid(f"upstream JSON nests deeper than {MAX_UPSTREAM_DEPTH} levels") from None
+                raise UpstreamInvalid(
+                    f"upstream JSON nests deeper than {MAX_UPSTREAM_DEPTH} levels"
+                ) from None
             charge += ledger.admit_output(chunk, nodes=total - nodes)
             nodes = total
             parts.append(chunk)
@@ -360,15 +368,15 @@ async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> Re
     """Read and parse a buffered upstream response object under the ledger (`read_buffered_body`),
     then exchange the body's charge for the kept output items' (admitted first, DESIGN.md §4).
 
-    Raises 502 ``upstream_invalid_response`` for a body that is not a JSON object.
+    Raises `UpstreamInvalid` for a body that is not a JSON object.
     """
     body, body_charge = await read_buffered_body(response, ledger)
     try:
-        parsed = json.loads(body)
+        parsed = loads_upstream(body)
     except (ValueError, RecursionError):
-        raise invalid("upstream answered with a body that is not JSON") from None
+        raise UpstreamInvalid("upstream answered with a body that is not JSON") from None
     if not isinstance(parsed, dict):
-        raise invalid("upstream answered with JSON that is not a response object")
+        raise UpstreamInvalid("upstream answered with JSON that is not a response object")
     output = parsed.get("output")
     items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
     kept = ledger.admit_accumulated(json.dumps(items, separators=(",", ":")).encode())

@@ -1,0 +1,146 @@
+"""Pure builders of the client-visible pieces of a response (no I/O, no state).
+
+`new_id` (fresh opaque ids), `sum_usage` (usage over rounds), `as_input_items`, `public_tools`
+(MCP secrets echoed as null), `call_arguments`, `mcp_call_item`, `approval_request_item`,
+`terminal_event` / `TERMINAL_STATUS` (the terminal event of a status and back), and
+`synthesized_events` (the SSE events of a complete response object, for a server that answered
+a streamed call buffered).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from middleware.tools.execute import ToolOutcome
+
+#: Terminal event type -> the response status it ends with (DESIGN.md §6: the event decides).
+TERMINAL_STATUS = {
+    "response.completed": "completed",
+    "response.incomplete": "incomplete",
+    "response.failed": "failed",
+}
+
+
+def terminal_event(status: object) -> str:
+    """The terminal event type of a response ``status`` (``response.completed`` for anything
+    that is not ``incomplete`` or ``failed``)."""
+    return {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+        str(status), "response.completed"
+    )
+
+
+def new_id(prefix: str) -> str:
+    """A fresh opaque id such as ``resp_<32 hex>``."""
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def sum_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None:
+    """Add one round's ``usage`` object into `total` (integers summed, nested details too)."""
+    if not isinstance(usage, dict):
+        return total
+    out: dict[str, Any] = dict(total or {})
+    for key, value in usage.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            prior = out.get(key)
+            out[key] = (prior if isinstance(prior, int) else 0) + value
+        elif isinstance(value, dict):
+            prior_dict = out.get(key)
+            out[key] = sum_usage(prior_dict if isinstance(prior_dict, dict) else None, value)
+        elif key not in out:
+            out[key] = value
+    return out
+
+
+def epoch_seconds(value: Any) -> int:
+    """An upstream ``created_at`` as epoch seconds (now when it is missing or not a sane number)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e11:
+        return int(value)
+    return int(time.time())
+
+
+def as_input_items(value: Any) -> list[dict[str, Any]]:
+    """The request's ``input`` as a list of items (a string becomes one user message)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if isinstance(value, list):
+        return [item for item in value if isinstance(item, dict)]
+    return []
+
+
+SECRET_TOOL_FIELDS = ("headers", "authorization")
+
+
+def public_tools(tools: Any) -> list[Any]:
+    """The request's ``tools`` as echoed in a response: MCP ``headers`` / ``authorization`` are
+    secrets sent to that server only, so they are shown as null (DESIGN.md §6)."""
+    if not isinstance(tools, list):
+        return []
+    out: list[Any] = []
+    for tool in tools:
+        if (
+            isinstance(tool, dict)
+            and tool.get("type") == "mcp"
+            and any(k in tool for k in SECRET_TOOL_FIELDS)
+        ):
+            tool = {k: (None if k in SECRET_TOOL_FIELDS else v) for k, v in tool.items()}
+        out.append(tool)
+    return out
+
+
+def call_arguments(call: dict[str, Any]) -> str:
+    """A call's ``arguments`` as re-emitted to the client: valid JSON text (``"{}"`` for a
+    parameterless call whose upstream sent ``""`` or null, case B07)."""
+    arguments = call.get("arguments")
+    return arguments if isinstance(arguments, str) and arguments.strip() else "{}"
+
+
+def mcp_call_item(
+    call: dict[str, Any], outcome: ToolOutcome, server_label: str, name: str, item_id: str
+) -> dict[str, Any]:
+    """The client-visible ``mcp_call`` item of an executed gateway call."""
+    item: dict[str, Any] = {
+        "type": "mcp_call",
+        "id": item_id,
+        "server_label": server_label,
+        "name": name,
+        "arguments": call_arguments(call),
+        "output": outcome.output if outcome.error is None else None,
+        "error": None,
+        "status": "completed" if outcome.error is None else "failed",
+    }
+    if outcome.error is not None:
+        item["error"] = {
+            "type": "mcp_tool_execution_error",
+            "content": [{"type": "text", "text": outcome.output}],
+        }
+    return item
+
+
+def approval_request_item(
+    call: dict[str, Any], request_id: str, server_label: str, name: str
+) -> dict[str, Any]:
+    """The client-visible ``mcp_approval_request`` item of a gateway call awaiting approval."""
+    return {
+        "type": "mcp_approval_request",
+        "id": request_id,
+        "server_label": server_label,
+        "name": name,
+        "arguments": call_arguments(call),
+    }
+
+
+def synthesized_events(
+    response: dict[str, Any], items: list[dict[str, Any]]
+) -> list[tuple[str, dict[str, Any]]]:
+    """The SSE events of a complete response object: created, each item added and done, the
+    terminal event its status names (``sequence_number`` is the writer's to set)."""
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": {**response, "status": "in_progress", "output": []}})
+    ]
+    for index, item in enumerate(items):
+        events.append(("response.output_item.added", {"output_index": index, "item": item}))
+        events.append(("response.output_item.done", {"output_index": index, "item": item}))
+    events.append((terminal_event(response.get("status")), {"response": response}))
+    return events

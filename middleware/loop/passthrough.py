@@ -1,0 +1,107 @@
+"""`Passthrough`: one stateless round with nothing for the gateway to rewrite.
+
+A request without MCP tools, with ``store: false`` and no ``previous_response_id`` /
+``conversation``, goes upstream as the client sent it (mirroring its ``stream`` flag). Its answer
+is charged under the ledger (`middleware.upstream.reader`) and forwarded: a stream event by event
+(renumbered by the `ClientStream` only where the upstream's numbers differ), a buffered body as it
+came. A server that answers a streamed call buffered gets its answer replayed as events; an SSE
+answer to a buffered call is aggregated. Failures are raised for the guard to settle.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from middleware.loop.context import RequestContext
+from middleware.loop.items import synthesized_events
+from middleware.ops import metrics
+from middleware.state import GatewayState
+from middleware.upstream.errors import read_limited, status_failure, stream_error_failure
+from middleware.upstream.protocol import UpstreamResponse
+from middleware.upstream.reader import (
+    TERMINAL_EVENTS,
+    StreamAccumulator,
+    no_terminal_event,
+    read_response_object,
+    read_stream_events,
+)
+
+
+class Passthrough:
+    """The pass-through round of one request (see the module docstring)."""
+
+    def __init__(self, state: GatewayState, ctx: RequestContext) -> None:
+        self.state = state
+        self.ctx = ctx
+        self.client = ctx.client
+        self._created: dict[str, Any] | None = None  # the upstream's response.created object
+
+    async def run(self) -> None:
+        """Make the one inference call and answer it; raises failures for the guard."""
+        upstream = self.state.upstream_for(self.ctx.route)
+        metrics.INFERENCE_ROUNDS.observe(1)  # the pass-through path makes exactly one inference call
+        response = await upstream.post("/responses", self.ctx.raw, stream=self.ctx.stream)
+        try:
+            if response.status_code >= 400:
+                raise status_failure(response.status_code, await read_limited(response), response.headers)
+            is_sse = response.headers.get("content-type", "").lower().startswith("text/event-stream")
+            if self.ctx.stream and is_sse:
+                await self._forward_stream(response)
+            elif is_sse:
+                final = await self._aggregate_stream(response)
+                await self._answer_json(json.dumps(final, separators=(",", ":")).encode())
+            else:
+                answer = await read_response_object(response, self.ctx.ledger)
+                if self.ctx.stream:  # a server that ignored "stream": the client still gets SSE
+                    await self._synthesize_stream(answer.parsed, answer.items)
+                else:
+                    await self._answer_json(answer.body)
+        finally:
+            await response.aclose()
+
+    async def _synthesize_stream(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        for kind, payload in synthesized_events(response, items):
+            await self.client.event(kind, {"type": kind, **payload})
+        await self.client.end()
+
+    async def _answer_json(self, raw: bytes) -> None:
+        self.ctx.ledger.admit_terminal(raw)
+        await self.client.answer_json(200, raw)
+
+    async def _aggregate_stream(self, response: UpstreamResponse) -> dict[str, Any]:
+        acc = StreamAccumulator(self.ctx.ledger)
+        async for event in read_stream_events(response, self.ctx.ledger, client=self.client):
+            if event.type == "error":
+                raise stream_error_failure(event.obj)
+            acc.apply(event)
+            if event.type in TERMINAL_EVENTS:
+                break
+        if acc.terminal is None:
+            raise no_terminal_event()
+        final = dict(acc.terminal)
+        final["output"] = acc.output()
+        return final
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The response so far for a failure after commit: the upstream's created object (the
+        items were forwarded and dropped, not kept, on this path)."""
+        return {**(self._created or {}), "output": []}
+
+    async def _forward_stream(self, response: UpstreamResponse) -> None:
+        # Forwarded and dropped: nothing of the stream is kept on this path, so nothing is
+        # accumulated (the parser's bytes and each frame's parse are still charged).
+        self.client.snapshot = self._snapshot
+        async for event in read_stream_events(response, self.ctx.ledger, client=self.client):
+            if event.type == "error":
+                raise stream_error_failure(event.obj)
+            if event.type == "response.created" and isinstance(event.obj.get("response"), dict):
+                created = event.obj["response"]
+                self._created = {
+                    k: created.get(k) for k in ("id", "object", "created_at", "model") if k in created
+                }
+            await self.client.forward(event.type, event.data, event.obj, changed=event.changed)
+            if event.type in TERMINAL_EVENTS:
+                await self.client.end()
+                return
+        raise no_terminal_event()

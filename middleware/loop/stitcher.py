@@ -1,0 +1,220 @@
+"""`StreamStitcher`: the SSE events of every round as one logical client stream (DESIGN.md §6).
+
+One ``response.created`` and ``response.in_progress`` (the gateway's response id, the client's
+tools echoed with MCP secrets as null), ``sequence_number`` from 0 (the `ClientStream` numbers),
+``output_index`` offset by earlier rounds, gateway ``function_call`` events hidden and replaced by
+``mcp_call`` lifecycle events, upstream terminal events held back, and exactly one terminal event
+(`terminal`) — then ``data: [DONE]``. It sets the `ClientStream`'s ``snapshot`` to the response so
+far (its items), for the ``response.failed`` event of a failure after commit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from middleware.asgi.client_stream import ClientStream
+from middleware.loop.items import call_arguments, new_id, public_tools, terminal_event
+from middleware.tools.catalog import ResolvedTools
+from middleware.upstream.reader import TERMINAL_EVENTS, UpstreamEvent
+
+LIFECYCLE = frozenset({"response.created", "response.in_progress", "response.queued"})
+
+
+class StreamStitcher:
+    """Turns the SSE events of every round into one logical client stream (DESIGN.md §6)."""
+
+    def __init__(
+        self,
+        client: ClientStream,
+        resolved: ResolvedTools,
+        response_id: str,
+        request: dict[str, Any],
+        items: list[dict[str, Any]],
+    ) -> None:
+        """``client``: the writer; ``resolved``: the request's tools; ``response_id``: the gateway's
+        id; ``request``: the client's request; ``items``: the client-visible output so far (the
+        loop's list, read for the failure snapshot)."""
+        self.client = client
+        self.resolved = resolved
+        self.response_id = response_id
+        self.request = request
+        self.items = items
+        self.model = request.get("model")
+        client.snapshot = self.snapshot
+        self.next_index = 0
+        self.created = False  # response.created sent
+        self.started = False  # the first round's lifecycle events are through; mcp_list_tools sent
+        self.listed = False
+        self.round_map: dict[int, int | None] = {}  # upstream output_index -> client index (None: hidden)
+        self.call_ids: dict[int, str] = {}  # id(function_call item) -> mcp_call item id
+        self.call_index: dict[int, int] = {}
+
+    async def _emit(self, event_type: str, obj: dict[str, Any]) -> None:
+        await self.client.event(event_type, obj)
+
+    def _public_response(self, response: dict[str, Any]) -> dict[str, Any]:
+        public = dict(response)
+        public["id"] = self.response_id
+        public["tools"] = public_tools(self.request.get("tools"))
+        public["tool_choice"] = self.request.get("tool_choice", "auto")
+        return public
+
+    def snapshot(self) -> dict[str, Any]:
+        """The response so far: the gateway's id and model, the client's tools, the items."""
+        base = {"id": self.response_id, "object": "response", "model": self.model}
+        return {**self._public_response(base), "output": list(self.items)}
+
+    async def _list_tools(self) -> None:
+        if self.listed:
+            return
+        self.listed = True
+        for item in self.resolved.list_items:
+            index = self.next_index
+            self.next_index += 1
+            await self._item_event("response.output_item.added", index, item)
+            for kind in ("response.mcp_list_tools.in_progress", "response.mcp_list_tools.completed"):
+                await self._emit(kind, {"type": kind, "output_index": index, "item_id": item["id"]})
+            await self._item_event("response.output_item.done", index, item)
+
+    async def ensure_started(self) -> None:
+        """Open the client stream before any upstream event (work done ahead of the first round)."""
+        if not self.started:
+            response = {
+                "id": self.response_id,
+                "object": "response",
+                "model": self.request.get("model"),
+            }
+            await self._start(response)
+            self.started = True
+            await self._emit(
+                "response.in_progress",
+                {
+                    "type": "response.in_progress",
+                    "response": {**self._public_response(response), "status": "in_progress", "output": []},
+                },
+            )
+            await self._list_tools()
+
+    async def _start(self, response: dict[str, Any]) -> None:
+        if not self.created:
+            self.created = True
+            created = {**self._public_response(response), "status": "in_progress", "output": []}
+            await self._emit("response.created", {"type": "response.created", "response": created})
+
+    async def forward(self, event: UpstreamEvent) -> None:
+        """Forward, rewrite or hide one upstream event of the current round (terminal events are held)."""
+        obj = event.obj
+        raw_response = obj.get("response")
+        response: dict[str, Any] = raw_response if isinstance(raw_response, dict) else {}
+        if event.type in LIFECYCLE:
+            if self.started:
+                return  # later rounds: one response.created / in_progress per client request
+            if event.type == "response.created":
+                await self._start(response)
+                return
+            await self._start(response)
+            obj["response"] = self._public_response(response)
+            await self._emit(event.type, obj)
+            if event.type == "response.in_progress":
+                self.started = True
+                await self._list_tools()
+            return
+        if event.type in TERMINAL_EVENTS:
+            self.round_map = {}
+            await self.ensure_started()  # an upstream that sent nothing before its terminal event
+            return
+        if not self.started:
+            await self._start(response)
+            self.started = True
+            await self._list_tools()
+        index = obj.get("output_index")
+        if event.type == "response.output_item.added" and isinstance(index, int):
+            item = obj.get("item")
+            hidden = (
+                isinstance(item, dict)
+                and item.get("type") == "function_call"
+                and self.resolved.gateway_tool(str(item.get("name"))) is not None
+            )
+            if hidden:
+                self.round_map[index] = None
+                return
+            self.round_map[index] = self.next_index
+            self.next_index += 1
+        changed = event.changed
+        if isinstance(index, int):
+            if index not in self.round_map:  # an upstream that skipped output_item.added
+                self.round_map[index] = self.next_index
+                self.next_index += 1
+            mapped = self.round_map[index]
+            if mapped is None:
+                return
+            if mapped != index:
+                obj["output_index"] = mapped
+                changed = True
+        if isinstance(obj.get("response"), dict):
+            obj["response"] = self._public_response(obj["response"])
+            changed = True
+        # nothing to rewrite (most deltas of a first round): the upstream's bytes go out as they are
+        await self.client.forward(event.type, event.data, obj, changed=changed)
+
+    async def synthesize(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        """Emit events for a buffered upstream answer (a server that ignored ``stream``)."""
+        if not self.started:
+            await self._start(response)
+            self.started = True
+            await self._list_tools()
+        for item in items:
+            if (
+                item.get("type") == "function_call"
+                and self.resolved.gateway_tool(str(item.get("name"))) is not None
+            ):
+                continue
+            await self.add_item(item)
+
+    async def _item_event(self, kind: str, index: int, item: dict[str, Any]) -> None:
+        """``response.output_item.added`` / ``.done`` for `item` at client `index`."""
+        await self._emit(kind, {"type": kind, "output_index": index, "item": item})
+
+    async def add_item(self, item: dict[str, Any]) -> None:
+        """A complete item (an approval request, an item of a buffered answer): added and done."""
+        index = self.next_index
+        self.next_index += 1
+        await self._item_event("response.output_item.added", index, item)
+        await self._item_event("response.output_item.done", index, item)
+
+    async def announce_call(self, call: dict[str, Any]) -> None:
+        """An ``mcp_call`` item is added (in progress) for a gateway call about to run."""
+        await self.ensure_started()
+        tool = self.resolved.gateway_tool(str(call.get("name")))
+        assert tool is not None
+        item_id = new_id("mcp")
+        index = self.next_index
+        self.next_index += 1
+        self.call_ids[id(call)] = item_id
+        self.call_index[id(call)] = index
+        item = {
+            "type": "mcp_call",
+            "id": item_id,
+            "server_label": tool.server_label,
+            "name": tool.name,
+            "arguments": call_arguments(call),
+            "status": "in_progress",
+        }
+        await self._item_event("response.output_item.added", index, item)
+        await self._emit(
+            "response.mcp_call.in_progress",
+            {"type": "response.mcp_call.in_progress", "output_index": index, "item_id": item_id},
+        )
+
+    async def finish_call(self, call: dict[str, Any], item: dict[str, Any]) -> None:
+        """The ``mcp_call`` of an executed gateway call completes (or fails)."""
+        index = self.call_index[id(call)]
+        kind = "response.mcp_call.completed" if item["status"] == "completed" else "response.mcp_call.failed"
+        await self._emit(kind, {"type": kind, "output_index": index, "item_id": item["id"]})
+        await self._item_event("response.output_item.done", index, item)
+
+    async def terminal(self, final: dict[str, Any]) -> None:
+        """The one terminal event, then the end of the stream."""
+        kind = terminal_event(final.get("status"))
+        await self._emit(kind, {"type": kind, "response": final})
+        await self.client.end()
