@@ -32,6 +32,9 @@ Sizes: ``size_bytes`` is the length in bytes of the item's compact UTF-8 JSON
 (``separators=(",", ":")``, non-ASCII kept as UTF-8); ``node_count`` is
 ``budget.count_json_nodes`` of those bytes.
 
+Ids the store mints (``conv_...``, and items stored without an ``id``) come from
+`middleware.ids.new_id`, the gateway's one id format.
+
 Secrets: MCP ``headers`` and ``authorization`` fields of the ``tools`` of the request and of the
 response object are dropped here, whatever the caller already did.
 
@@ -46,12 +49,12 @@ invalid URL or argument (a caller bug).
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from budget import count_json_nodes
+from middleware.ids import new_id
 from middleware.store.backends import (
     Backend,
     ConversationNotFound,
@@ -210,11 +213,6 @@ def encode_json(value: object) -> str:
         except UnicodeEncodeError:
             text = _COMPACT_ASCII.encode(value)
     return text
-
-
-def new_id(prefix: str) -> str:
-    """``PREFIX_`` + 48 random hex digits, like OpenAI's ids."""
-    return f"{prefix}_{secrets.token_hex(24)}"
 
 
 def strip_secrets(obj: JsonObject) -> JsonObject:
