@@ -610,6 +610,16 @@ def test_secrets_are_never_stored(store_url: str, tmp_path: Path) -> None:
         assert b"SECRET" not in Path(path).read_bytes()
 
 
+def test_strip_secrets_drops_each_secret_tool_field() -> None:
+    """`SECRET_TOOL_FIELDS` is the one list of credential fields (the loop echoes them as null)."""
+    assert sorted(store_module.SECRET_TOOL_FIELDS) == ["authorization", "headers"]
+    for name in store_module.SECRET_TOOL_FIELDS:
+        tool = {"type": "mcp", "server_label": "crm", name: "SECRET"}
+        assert store_module.strip_secrets({"tools": [tool]}) == {
+            "tools": [{"type": "mcp", "server_label": "crm"}]
+        }
+
+
 def test_cancelled_save_leaves_the_store_usable(store_url: str) -> None:
     async def body(store: Store) -> None:
         for delay in range(6):

@@ -35,8 +35,8 @@ Sizes: ``size_bytes`` is the length in bytes of the item's compact UTF-8 JSON
 Ids the store mints (``conv_...``, and items stored without an ``id``) come from
 `middleware.ids.new_id`, the gateway's one id format.
 
-Secrets: MCP ``headers`` and ``authorization`` fields of the ``tools`` of the request and of the
-response object are dropped here, whatever the caller already did.
+Secrets: the `SECRET_TOOL_FIELDS` (MCP ``headers`` and ``authorization``) of the ``tools`` of the
+request and of the response object are dropped here, whatever the caller already did.
 
 Ownership: every read, delete and append takes the caller's ``owner`` (a hash of its API key);
 another owner's objects behave as if they did not exist (None / False → HTTP 404).
@@ -79,6 +79,7 @@ from middleware.store.schema import MIGRATIONS, MIGRATIONS_TABLE
 __all__ = [
     "CONTINUABLE_STATUSES",
     "RESPONSE_STATUSES",
+    "SECRET_TOOL_FIELDS",
     "ChainInfo",
     "ConversationNotFound",
     "DuplicateId",
@@ -107,7 +108,8 @@ _loads = json.loads
 RESPONSE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "in_progress", "queued"})
 #: Only these may be continued with ``previous_response_id`` (DESIGN.md §7).
 CONTINUABLE_STATUSES = frozenset({"completed", "incomplete"})
-#: Fields of a tool definition that carry credentials and are never stored.
+#: Fields of a tool definition that carry credentials: never stored (`strip_secrets` deletes them).
+#: The one definition: a response that echoes its tools shows these as null.
 SECRET_TOOL_FIELDS = frozenset({"headers", "authorization"})
 #: A chain walk stops after this many responses (a guard against a corrupt, cyclic chain).
 MAX_CHAIN_LENGTH = 100_000
