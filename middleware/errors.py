@@ -16,6 +16,7 @@ Failure                          base: ``message``, ``param``, ``code`` (rows th
 ├── MethodNotAllowed             wrong method (405, ``allow``)
 ├── BodyTooLarge                 the raw body passes the clamp (413 request_too_large)
 ├── BodyTimeout                  the body did not arrive in time (408 request_timeout)
+├── HistoryTooLarge              the stored history does not fit the ledger (413 max_retained_bytes_exceeded)
 ├── LoopLimitReached             gateway tools still called after max_infer_iters calls (508)
 ├── Overloaded                   the process pool is full (503 server_overloaded)
 ├── ProcessBudgetExceeded        one reservation larger than the whole pool (413)
@@ -118,6 +119,14 @@ class BodyTimeout(Failure):
     """The whole body was not received within ``--client-body-timeout`` (fact ``seconds``)."""
 
     row = "request_timeout"
+
+
+class HistoryTooLarge(Failure):
+    """The history named by ``previous_response_id`` or ``conversation`` (``param``) does not fit
+    the request's ledger; nothing of it was decoded. Facts ``requested``, ``charged``, ``limit``
+    (budget bytes) are those of the ledger's `budget.BudgetExceeded`."""
+
+    row = "budget_initial"
 
 
 class LoopLimitReached(Failure):

@@ -1,8 +1,10 @@
-"""Real servers on loopback ports for end-to-end tests."""
+"""Real servers on loopback ports for end-to-end tests, and raw HTTP/1.1 to them (no app imported)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,3 +20,43 @@ def serve_asgi(app: Any, **config: Any) -> Iterator[str]:
         yield url
     finally:
         server.stop()
+
+
+def raw_http(url: str, head: bytes, body: bytes = b"", *, read_timeout: float = 10.0) -> bytes:
+    """Send raw bytes to the gateway and return everything it answers until it closes or times out."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=read_timeout) as sock:
+        sock.sendall(head + body)
+        out = b""
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                out += data
+                if b"\r\n\r\n" in out and _complete(out):
+                    break
+        except TimeoutError:
+            pass
+    return out
+
+
+def _complete(raw: bytes) -> bool:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False
+
+
+def response_json(raw: bytes) -> tuple[int, dict[str, str], Any]:
+    """Parse the first raw HTTP/1.1 response (Content-Length body): (status, headers, JSON body)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    body = body[: int(headers.get("content-length", len(body)))]
+    return status, headers, json.loads(body) if body else None

@@ -398,6 +398,27 @@ def test_list_input_items_pages_like_openai(store_url: str) -> None:
 # --- conversations -----------------------------------------------------------------------------
 
 
+def test_minted_ids_are_the_gateway_format() -> None:
+    """Conversation ids and the ids of items stored without one are `middleware.ids.new_id`'s:
+    ``prefix_`` + 32 hex digits; an item's own id is kept."""
+
+    async def body(store: Store) -> None:
+        conv = await store.create_conversation("alice", items=[], metadata=None)
+        assert re.fullmatch(r"conv_[0-9a-f]{32}", conv["id"])
+        added = await store.add_conversation_items(
+            conv["id"], "alice", [user("x"), {"type": "function_call_output", "call_id": "c", "output": ""}]
+        )
+        assert added is not None
+        assert [re.fullmatch(r"(msg|fco)_[0-9a-f]{32}", item["id"]) is not None for item in added] == [
+            True,
+            True,
+        ]
+        mine = await store.add_conversation_items(conv["id"], "alice", [{**user("y"), "id": "msg_mine"}])
+        assert mine is not None and mine[0]["id"] == "msg_mine"
+
+    run_with_store("memory", body)
+
+
 def test_conversation_lifecycle_with_responses(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def body(store: Store) -> None:
         conv = await store.create_conversation("alice", items=[user("hello")], metadata={"topic": "demo"})
@@ -587,6 +608,16 @@ def test_secrets_are_never_stored(store_url: str, tmp_path: Path) -> None:
     run_with_store(store_url, body)
     for path in glob.glob(str(tmp_path / "**" / "*.db*"), recursive=True):  # the SQLite file and its WAL
         assert b"SECRET" not in Path(path).read_bytes()
+
+
+def test_strip_secrets_drops_each_secret_tool_field() -> None:
+    """`SECRET_TOOL_FIELDS` is the one list of credential fields (the loop echoes them as null)."""
+    assert sorted(store_module.SECRET_TOOL_FIELDS) == ["authorization", "headers"]
+    for name in store_module.SECRET_TOOL_FIELDS:
+        tool = {"type": "mcp", "server_label": "crm", name: "SECRET"}
+        assert store_module.strip_secrets({"tools": [tool]}) == {
+            "tools": [{"type": "mcp", "server_label": "crm"}]
+        }
 
 
 def test_cancelled_save_leaves_the_store_usable(store_url: str) -> None:

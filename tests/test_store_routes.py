@@ -2,7 +2,8 @@
 it has methods (it must parse every answer) and by raw HTTP for the error paths.
 
 The caller's identity is its API key here (``owner_of`` reads the bearer token), so two SDK
-clients with different keys are two owners.
+clients with different keys are two owners. The routes sit behind `RequestIdMiddleware`, as in the
+gateway, so every error message must name the request id (the outcome table adds it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx
 import openai
@@ -24,10 +25,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
+from middleware.errors import Unauthenticated
+from middleware.ops.request_id import RequestIdMiddleware
 from middleware.store.routes import MAX_BODY_BYTES, store_routes
 from middleware.store.store import Store, StoredResponse, open_store
-from tests.helpers import raw_http, response_json
-from tests.servers import serve_asgi
+from tests.servers import raw_http, response_json, serve_asgi
 
 T = TypeVar("T")
 
@@ -44,7 +46,9 @@ class Harness:
         self.store: Store = open_store(url)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.body_bytes = 0
-        self.app = Starlette(routes=store_routes(lambda: self.store, owner_of), lifespan=self.lifespan)
+        self.app = RequestIdMiddleware(
+            Starlette(routes=store_routes(lambda: self.store, owner_of), lifespan=self.lifespan)
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -150,6 +154,8 @@ def text(item: Any) -> str:
 
 
 def assert_envelope(resp: httpx.Response, status: int, code: str, param: str | None = None) -> None:
+    """The OpenAI envelope with this status, code and param; 4xx say ``x-should-retry: false``
+    and 5xx do not; the message ends with the request id (the ``x-request-id`` answered)."""
     assert resp.status_code == status, resp.text
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = resp.json()
@@ -158,6 +164,8 @@ def assert_envelope(resp: httpx.Response, status: int, code: str, param: str | N
     }
     assert body["error"]["message"]
     assert resp.headers["content-type"] == "application/json"
+    assert resp.headers.get("x-should-retry") == ("false" if status < 500 else None)
+    assert body["error"]["message"].endswith(f" [request id {resp.headers['x-request-id']}]")
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -415,8 +423,85 @@ def test_a_body_at_the_limit_is_accepted(server: tuple[str, Harness]) -> None:
 
 def test_database_failure_is_503_not_500() -> None:
     never_opened = open_store("memory")
-    app = Starlette(routes=store_routes(lambda: never_opened, owner_of))
+    app = RequestIdMiddleware(Starlette(routes=store_routes(lambda: never_opened, owner_of)))
     with serve_asgi(app) as url:
         resp = http(url, "GET", "/v1/responses/resp_1")
     assert_envelope(resp, 503, "store_unavailable")
     assert "x-should-retry" not in resp.headers
+    assert resp.json()["error"]["message"].startswith("the response store is unavailable: ")
+
+
+# --- every error goes through the outcome table ---------------------------------------------------
+
+ROUTES = [
+    ("GET", "/v1/responses/{rid}", None),
+    ("DELETE", "/v1/responses/{rid}", None),
+    ("GET", "/v1/responses/{rid}/input_items", None),
+    ("GET", "/v1/conversations/{cid}", None),
+    ("DELETE", "/v1/conversations/{cid}", None),
+    ("GET", "/v1/conversations/{cid}/items", None),
+    ("POST", "/v1/conversations/{cid}/items", {"items": [{"role": "user", "content": "x"}]}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ROUTES)
+def test_every_route_answers_404_not_found_for_another_owners_id(
+    server: tuple[str, Harness], method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    url, harness = server
+    rid = seed(harness)
+    cid = harness.call(harness.store.create_conversation("alice-key", items=[], metadata=None))["id"]
+    resp = http(url, method, path.format(rid=rid, cid=cid), key="mallory-key", json=body)
+    assert_envelope(resp, 404, "not_found")
+
+
+def test_streaming_a_stored_response_is_400(server: tuple[str, Harness]) -> None:
+    rid = seed(server[1])
+    assert_envelope(
+        http(server[0], "GET", f"/v1/responses/{rid}", params={"stream": "true"}),
+        400,
+        "invalid_value",
+        "stream",
+    )
+
+
+def test_the_request_id_the_client_sent_is_named_once(server: tuple[str, Harness]) -> None:
+    resp = http(server[0], "GET", "/v1/responses/resp_nope", headers={"x-request-id": "req-store-7"})
+    assert_envelope(resp, 404, "not_found")
+    message = resp.json()["error"]["message"]
+    assert message == "Response with id 'resp_nope' not found. [request id req-store-7]"
+
+
+def test_413_names_the_request_id_and_closes(server: tuple[str, Harness]) -> None:
+    head = (
+        b"POST /v1/conversations HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer alice-key\r\n"
+        b"X-Request-Id: req-big-1\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1)
+    )
+    status, headers, body = response_json(raw_http(server[0], head, b"", read_timeout=5.0))
+    assert status == 413 and body["error"]["code"] == "request_too_large" and body["error"]["param"] is None
+    assert body["error"]["message"].endswith(" [request id req-big-1]")
+    assert headers["connection"] == "close" and headers["x-should-retry"] == "false"
+
+
+class _BrokenStore:
+    async def get_response(self, response_id: str, owner: str) -> None:
+        raise RuntimeError("a bug with a secret detail")
+
+
+def test_an_unexpected_exception_is_500_internal_error_without_details() -> None:
+    app = RequestIdMiddleware(Starlette(routes=store_routes(lambda: cast(Store, _BrokenStore()), owner_of)))
+    with serve_asgi(app) as url:
+        resp = http(url, "GET", "/v1/responses/resp_1")
+    assert_envelope(resp, 500, "internal_error")
+    assert "secret" not in resp.text
+
+
+def test_what_owner_of_raises_is_answered_by_the_table() -> None:
+    def refuse(request: Request) -> str:
+        raise Unauthenticated("no API key was presented; send Authorization: Bearer <key>")
+
+    store = open_store("memory")
+    app = RequestIdMiddleware(Starlette(routes=store_routes(lambda: store, refuse)))
+    with serve_asgi(app) as url:
+        resp = http(url, "GET", "/v1/conversations/conv_1")
+    assert_envelope(resp, 401, "invalid_api_key")

@@ -1,5 +1,12 @@
-"""Approvals and tool-call pairing: answered ``mcp_approval_response``s against the pending calls
-of the history, and the check that every function call has exactly one output (case B03, B05)."""
+"""Settling a request's new input against its restored history, before any upstream call.
+
+`pending_approvals` resolves each ``mcp_approval_response`` of the new input against the
+history's pending gateway calls (an ``mcp_approval_request`` id is `APPROVAL_PREFIX` + the pending
+call's ``call_id``, `approval_id`, so no extra state is stored). `check_call_pairs` then refuses a
+request whose history plus new input would leave a function call without exactly one answer (an
+output, or an approval) or an output without its call (case B03). Both raise
+`middleware.errors.InvalidRequest` with ``param: "input"`` (`middleware.outcomes` answers it).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,9 @@ from typing import Any
 
 from middleware.errors import InvalidRequest
 
+__all__ = ["APPROVAL_PREFIX", "approval_id", "check_call_pairs", "pending_approvals"]
+
+#: Prefix of the ``mcp_approval_request`` id derived from a pending call's ``call_id``.
 APPROVAL_PREFIX = "mcpr_"
 
 
@@ -22,7 +32,8 @@ def pending_approvals(
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(stored pending function_call, its ``mcp_approval_response``) for each approval answered.
 
-    Raises 400 naming an ``approval_request_id`` that matches no pending call of the history.
+    Raises `InvalidRequest` naming an ``approval_request_id`` answered twice or matching no
+    pending call of the history, or an ``approve`` that is not a boolean.
     """
     calls = {
         item.get("call_id"): item
@@ -71,7 +82,7 @@ def check_call_pairs(
 ) -> None:
     """Every function call has exactly one output and every output a call (case B03).
 
-    Raises 400 ``param: "input"`` naming the first ``call_id`` at fault.
+    Raises `InvalidRequest` (``param: "input"``) naming the first ``call_id`` at fault.
     """
     items = [*history, *new_input]
     for item in new_input:

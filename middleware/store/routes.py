@@ -20,12 +20,22 @@ Cursor lists take ``after`` (an item id), ``limit`` (1..=100, default 20) and ``
 Ownership: ``owner_of(request)`` names the caller (a hash of its API key; authentication is done
 before these routes run); another owner's objects answer 404 exactly like unknown ids.
 
-Errors are the OpenAI envelope (`middleware.errors.envelope`): 400 ``invalid_value`` /
-``invalid_type`` / ``integer_*`` / ``unknown_parameter`` / JSON codes from
-`budget.loads_strict`, with ``param`` naming the field; 404 ``not_found``; 413
-``request_too_large`` for POST bodies over ``max_body_bytes`` (1 MiB), refused from
-``Content-Length`` without reading, or as soon as the streamed body passes the limit; 503
-``store_unavailable`` when the database fails. Client errors carry ``x-should-retry: false``.
+Errors: handlers raise failures (`middleware.errors`) and pick no status; every exception of a
+route is answered by `middleware.outcomes` (resolved, counted and logged, rendered as the OpenAI
+envelope), the one renderer:
+
+* `InvalidRequest` — 400 ``invalid_value`` / ``invalid_type`` / ``integer_*`` /
+  ``unknown_parameter`` / ``empty_array`` / ``array_above_max_length`` / the JSON codes of
+  `budget.loads_strict`, with ``param`` naming the field (``after`` for an unknown cursor);
+* `NotFound` — 404 ``not_found`` (unknown, or another owner's);
+* `BodyTooLarge` — 413 ``request_too_large`` with ``Connection: close``, for POST bodies over
+  ``max_body_bytes`` (1 MiB): refused from ``Content-Length`` without reading, or as soon as the
+  streamed body passes the limit;
+* the store's `StoreUnavailable` — 503 ``store_unavailable`` when the database fails;
+* anything else is a bug: 500 ``internal_error``.
+
+Client errors (4xx) carry ``x-should-retry: false``; each message ends with the request id when
+one is set.
 """
 
 from __future__ import annotations
@@ -33,13 +43,14 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from budget import JsonRejected, loads_strict
-from middleware.errors import envelope
-from middleware.store.store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, StoreUnavailable, UnknownCursor
+from middleware import outcomes
+from middleware.errors import BodyTooLarge, InvalidRequest, NotFound
+from middleware.store.store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, UnknownCursor
 
 __all__ = ["MAX_BODY_BYTES", "MAX_ITEMS_PER_CALL", "store_routes"]
 
@@ -51,25 +62,24 @@ MAX_ITEMS_PER_CALL = 20
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-class _HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.param = status, code, message, param
-
-
-def _error_response(exc: _HttpError) -> Response:
-    headers = {"x-should-retry": "false"} if exc.status < 500 else {}
-    if exc.status == 413:
-        headers["connection"] = "close"
-    return JSONResponse(envelope(exc.status, exc.code, exc.message, exc.param), exc.status, headers=headers)
+def _answer(exc: BaseException, owner: str) -> Response:
+    """`exc` as the outcome table answers it (DESIGN.md §5): counted and logged, then rendered."""
+    outcome = outcomes.resolve(exc)
+    outcomes.record(outcome, owner=owner)
+    status, headers, body = outcomes.render_json(outcome)
+    return Response(
+        body,
+        status_code=status,
+        headers={name.decode("latin-1"): value.decode("latin-1") for name, value in headers},
+    )
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> NoReturn:
-    raise _HttpError(400, code, message, param)
+    raise InvalidRequest(message, code=code, param=param)
 
 
 def _not_found(kind: str, object_id: str) -> NoReturn:
-    raise _HttpError(404, "not_found", f"{kind} with id '{object_id}' not found.")
+    raise NotFound(f"{kind} with id '{object_id}' not found.")
 
 
 def _page_args(request: Request) -> tuple[str | None, int, Order]:
@@ -103,24 +113,25 @@ def _page_args(request: Request) -> tuple[str | None, int, Order]:
 
 
 async def _read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object (``{}`` when empty): 413 past ``max_bytes``, 400 when invalid."""
+    """The body as a JSON object (``{}`` when empty): `BodyTooLarge` past ``max_bytes`` (bytes),
+    `InvalidRequest` when it is not a JSON object."""
     declared = request.headers.get("content-length")
     too_large = (
         f"request body is over the {max_bytes} byte limit of this endpoint; send fewer or smaller items"
     )
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _HttpError(413, "request_too_large", too_large)
+        raise BodyTooLarge(too_large, size=int(declared), clamp=max_bytes)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
-            raise _HttpError(413, "request_too_large", too_large)
+            raise BodyTooLarge(too_large, size=len(body), clamp=max_bytes)
     if not body.strip():
         return {}
     try:
         value = loads_strict(body)
     except JsonRejected as exc:
-        raise _HttpError(400, exc.code, exc.message, exc.param) from None
+        raise InvalidRequest(exc.message, code=exc.code, param=exc.param) from None
     if not isinstance(value, dict):
         _bad("The request body must be a JSON object.", None, "invalid_type")
     return value
@@ -187,22 +198,24 @@ def store_routes(
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> list[Route]:
     """The routes of the module docstring. ``get_store()`` is called per request (so the store
-    may be opened in the application's lifespan); ``owner_of(request)`` names the caller."""
+    may be opened in the application's lifespan); ``owner_of(request)`` names the caller (what it
+    raises, e.g. a 401, is answered like the routes' own failures)."""
 
     Handler = Callable[[Request, Store, str], Awaitable[Response]]
 
     def endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
+            owner = ""
             try:
-                return await handler(request, get_store(), owner_of(request))
-            except _HttpError as exc:
-                return _error_response(exc)
+                store = get_store()
+                owner = owner_of(request)
+                return await handler(request, store, owner)
+            except ClientDisconnect:
+                raise  # the client is gone: there is no one to answer
             except UnknownCursor as exc:
-                return _error_response(_HttpError(400, "invalid_value", str(exc), "after"))
-            except StoreUnavailable as exc:
-                return _error_response(
-                    _HttpError(503, "store_unavailable", f"the response store is unavailable: {exc}")
-                )
+                return _answer(InvalidRequest(str(exc), code="invalid_value", param="after"), owner)
+            except Exception as exc:
+                return _answer(exc, owner)
 
         return run
 

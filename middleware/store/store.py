@@ -32,8 +32,11 @@ Sizes: ``size_bytes`` is the length in bytes of the item's compact UTF-8 JSON
 (``separators=(",", ":")``, non-ASCII kept as UTF-8); ``node_count`` is
 ``budget.count_json_nodes`` of those bytes.
 
-Secrets: MCP ``headers`` and ``authorization`` fields of the ``tools`` of the request and of the
-response object are dropped here, whatever the caller already did.
+Ids the store mints (``conv_...``, and items stored without an ``id``) come from
+`middleware.ids.new_id`, the gateway's one id format.
+
+Secrets: the `SECRET_TOOL_FIELDS` (MCP ``headers`` and ``authorization``) of the ``tools`` of the
+request and of the response object are dropped here, whatever the caller already did.
 
 Ownership: every read, delete and append takes the caller's ``owner`` (a hash of its API key);
 another owner's objects behave as if they did not exist (None / False → HTTP 404).
@@ -46,12 +49,12 @@ invalid URL or argument (a caller bug).
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from budget import count_json_nodes
+from middleware.ids import new_id
 from middleware.store.backends import (
     Backend,
     ConversationNotFound,
@@ -76,6 +79,7 @@ from middleware.store.schema import MIGRATIONS, MIGRATIONS_TABLE
 __all__ = [
     "CONTINUABLE_STATUSES",
     "RESPONSE_STATUSES",
+    "SECRET_TOOL_FIELDS",
     "ChainInfo",
     "ConversationNotFound",
     "DuplicateId",
@@ -104,7 +108,8 @@ _loads = json.loads
 RESPONSE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "in_progress", "queued"})
 #: Only these may be continued with ``previous_response_id`` (DESIGN.md §7).
 CONTINUABLE_STATUSES = frozenset({"completed", "incomplete"})
-#: Fields of a tool definition that carry credentials and are never stored.
+#: Fields of a tool definition that carry credentials: never stored (`strip_secrets` deletes them).
+#: The one definition: a response that echoes its tools shows these as null.
 SECRET_TOOL_FIELDS = frozenset({"headers", "authorization"})
 #: A chain walk stops after this many responses (a guard against a corrupt, cyclic chain).
 MAX_CHAIN_LENGTH = 100_000
@@ -210,11 +215,6 @@ def encode_json(value: object) -> str:
         except UnicodeEncodeError:
             text = _COMPACT_ASCII.encode(value)
     return text
-
-
-def new_id(prefix: str) -> str:
-    """``PREFIX_`` + 48 random hex digits, like OpenAI's ids."""
-    return f"{prefix}_{secrets.token_hex(24)}"
 
 
 def strip_secrets(obj: JsonObject) -> JsonObject:
