@@ -531,7 +531,7 @@ def test_server_config_repr_hides_header_values_and_query() -> None:
         label="x", url="http://a.example/mcp?token=qqq", headers={"Authorization": "Bearer zzz"}
     )
     assert repr(config) == (
-        "McpServerConfig(label='x', url='http://a.example/mcp', headers={'Authorization': '***'})"
+        "McpServerConfig(label='x', url='http://a.example/mcp?***', headers={'Authorization': '***'})"
     )
     assert config.url == "http://a.example/mcp?token=qqq"
 

@@ -3,6 +3,9 @@
 `register_secret` remembers an operator secret (an upstream or gateway API key); `redact` replaces
 every registered secret in a text with ``***`` (upstream error messages can echo keys back).
 The registry is process-wide: secrets come from the process's configuration.
+
+`redact_url` is the one way a URL (an MCP ``server_url``, a store DSN) is shown in a message, a
+``repr`` or a log line: without its password, its query or its fragment.
 """
 
 from __future__ import annotations
@@ -22,3 +25,37 @@ def redact(text: str) -> str:
         if secret in text:
             text = text.replace(secret, "***")
     return text
+
+
+def redact_url(url: str) -> str:
+    """`url` as it may be shown: scheme, host, port and path kept, every credential masked.
+
+    * a userinfo ``user:password@`` becomes ``user:***@``; a userinfo without a colon becomes
+      ``***@`` (a lone userinfo is often a token, as in ``https://TOKEN@host/``);
+    * a query, which may carry a token or a ``password=``, becomes ``?***``;
+    * a fragment is dropped.
+
+    ``postgresql://u:pw@db:5432/lw?sslmode=require`` -> ``postgresql://u:***@db:5432/lw?***``;
+    ``https://mcp.example/v1?key=s3cret`` -> ``https://mcp.example/v1?***``.
+
+    The authority ends at the first ``/`` after ``scheme://`` (RFC 3986 §3.2, as libpq reads a
+    DSN), so a ``?`` or ``#`` inside a password does not expose the rest of it. Never raises: text
+    that is not a URL (no ``scheme://``) is read as an authority followed by a path.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    end = rest.find("/")
+    authority, path = (rest, "") if end < 0 else (rest[:end], rest[end:])
+    userinfo, at, host = authority.rpartition("@")
+    shown = f"{scheme}{sep}"
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        shown += f"{user}:***@" if colon else "***@"
+    # Host, port and path, up to a query or fragment (looked for only after the userinfo is cut
+    # off, so that a "?" or "#" in a password never counts as the start of one).
+    located = host + path
+    for index, char in enumerate(located):
+        if char in "?#":
+            return shown + located[:index] + ("?***" if char == "?" else "")
+    return shown + located

@@ -64,6 +64,7 @@ import mcp
 import mcp_types
 
 from middleware.errors import GatewayError, InvalidRequest
+from middleware.ops.redact import redact_url
 from middleware.tools.connections import (
     Endpoint,
     McpServerConfig,
@@ -72,7 +73,6 @@ from middleware.tools.connections import (
     SessionUnavailable,
     UrlAllowlist,
     normalize_url,
-    redact_url,
     validate_headers,
     validate_label,
 )

@@ -15,7 +15,8 @@ module knows how to *reach* an MCP server; what to list and what to run lives in
 * `SessionPool` — open sessions kept across rounds and requests (`PoolLimits`), leased per call.
 
 Secrets: header values (operator or client-declared) and URL query strings never appear in a
-``repr``, a log line or an error message; only header *names* and ``scheme://host/path`` do.
+``repr``, a log line or an error message; only header *names* and the URL as
+`middleware.ops.redact.redact_url` shows it (``scheme://host/path?***``) do.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, METHOD_NOT_FOUND
 
+from middleware.ops.redact import redact_url
 from middleware.tools.text import SurrogateEscapeFixer, describe_exception
 
 __all__ = [
@@ -67,7 +69,6 @@ __all__ = [
     "call_not_run",
     "normalize_url",
     "open_session",
-    "redact_url",
     "session_failed",
     "validate_headers",
     "validate_label",
@@ -204,12 +205,6 @@ def normalize_url(url: object) -> str:
     path = _remove_dot_segments(_normalize_escapes(parts.path or "/"))
     query = f"?{parts.query}" if parts.query else ""
     return f"{scheme}://{netloc}{path}{query}"
-
-
-def redact_url(url: str) -> str:
-    """``scheme://host[:port]/path`` of `url`: the query (which may hold a token) is left out."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 
 
 class UrlAllowlist:
