@@ -34,6 +34,7 @@ from middleware.dev.demo_tools import demo_catalog
 from middleware.tools.catalog import McpServerConfig, PoolLimits, ToolCatalog, run_tool_calls
 from middleware.tools.connections import Endpoint, SessionPool, SessionUnavailable
 from tests.helpers import FC, gateway, message_item, response_obj, sdk
+from tests.logs import gateway_log_filters
 from tests.mcp_servers import Probe, build_tools_server
 from tests.mock_upstream import MockUpstream, Reply
 
@@ -357,7 +358,7 @@ def test_pool_keys_hold_no_secret_and_logs_name_no_header_value(caplog: pytest.L
             loop_pools = list(pool._loops.values())
             assert all(secret not in repr(key) for lp in loop_pools for key in lp.usable)
 
-        with caplog.at_level(logging.DEBUG):
+        with caplog.at_level(logging.DEBUG), gateway_log_filters():
             run(scenario())
     client_side = ("loopwarden", "mcp.client", "mcp.shared", "httpx2", "httpcore2")
     logged = [r.getMessage() for r in caplog.records if r.name.startswith(client_side)]

@@ -1,6 +1,10 @@
-"""`middleware.ops.redact.redact_url`: the one way a URL is shown (MCP server URLs, store DSNs)."""
+"""`middleware.ops.redact`: `redact_url`, the one way a URL is shown (MCP server URLs, store DSNs), and
+the `RedactUrls` log filter that `log_config` installs."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +53,27 @@ def test_redact_url(url: str, shown: str) -> None:
 )
 def test_no_password_or_query_token_survives(url: str) -> None:
     assert "s3cret" not in redact_url(url)
+
+
+def test_log_config_hides_url_credentials_the_mcp_http_stack_logs() -> None:
+    """`log_config` installs `RedactUrls` on the loggers that print MCP server URLs; importing
+    the tool layer installs nothing (no side effect at import)."""
+    code = (
+        "import logging, logging.config\n"
+        "import middleware.tools, middleware.tools.catalog\n"
+        "names = ('httpx2', 'mcp.client.streamable_http')\n"
+        "print('before', [len(logging.getLogger(n).filters) for n in names])\n"
+        "from middleware.ops.request_id import log_config\n"
+        "logging.config.dictConfig(log_config('debug', json_lines=False))\n"
+        "logging.getLogger('httpx2').warning('HTTP Request: POST %s \"HTTP/1.1 200 OK\"',"
+        " 'http://u:pw-s3cret@mcp.example/mcp?token=q-s3cret')\n"
+        "logging.getLogger('mcp.client.streamable_http').info("
+        "'GET stream not opened: https://mcp.example/sse?key=k-s3cret#f')\n"
+        "logging.getLogger('loopwarden.tools').info('no url here: %s', 'kept?as=is')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split("\n")[0] == "before [0, 0]"
+    assert "s3cret" not in out.stderr
+    assert "POST http://u:***@mcp.example/mcp?*** " in out.stderr
+    assert "GET stream not opened: https://mcp.example/sse?***" in out.stderr
+    assert "no url here: kept?as=is" in out.stderr

@@ -34,6 +34,7 @@ from middleware.tools.catalog import (
 )
 from middleware.tools.connections import UrlAllowlist, normalize_url
 from middleware.tools.text import SurrogateEscapeFixer, scrub_text
+from tests.logs import gateway_log_filters
 from tests.mcp_servers import (
     STDIO_COMMAND,
     Probe,
@@ -419,7 +420,7 @@ def test_client_declared_headers_reach_that_server_only_and_are_never_shown(
         "allowed_tools": ["echo"],
     }
     seen_before = len(recorder.headers)
-    with caplog.at_level(logging.DEBUG):
+    with caplog.at_level(logging.DEBUG), gateway_log_filters():
         resolved, outcomes = run(
             resolve_and_run(
                 catalog, [call("c1", "echo"), call("c2", "weather")], tools=[entry, mcp_tool("other")]

@@ -5,10 +5,16 @@ every registered secret in a text with ``***`` (upstream error messages can echo
 The registry is process-wide: secrets come from the process's configuration.
 
 `redact_url` is the one way a URL (an MCP ``server_url``, a store DSN) is shown in a message, a
-``repr`` or a log line: without its password, its query or its fragment.
+``repr`` or a log line: without its password, its query or its fragment. `RedactUrls` is the
+logging filter that applies it to the URLs other libraries log (installed by
+`middleware.ops.request_id.log_config`).
 """
 
 from __future__ import annotations
+
+import logging
+import re
+from typing import Final
 
 _SECRETS: set[str] = set()
 
@@ -59,3 +65,26 @@ def redact_url(url: str) -> str:
         if char in "?#":
             return shown + located[:index] + ("?***" if char == "?" else "")
     return shown + located
+
+
+_URL_RE: Final = re.compile(r"https?://[^\s'\"]+")
+
+
+class RedactUrls(logging.Filter):
+    """Rewrites every ``http(s)://`` URL in a log record's message with `redact_url`.
+
+    For the loggers of the MCP SDK's HTTP stack (``httpx2``, which logs every request URL at
+    INFO, and ``mcp.client.streamable_http``): a client-declared ``server_url`` may carry a token
+    in its query, and it must not reach the gateway's logs. `middleware.ops.request_id.log_config`
+    installs it on those loggers; nothing installs it at import. A logger's filters see only the
+    records logged on that logger itself, not those propagated from its children.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "://" in message:
+            shown = _URL_RE.sub(lambda match: redact_url(match.group()), message)
+            if shown != message:
+                record.msg = shown
+                record.args = None
+        return True

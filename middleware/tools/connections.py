@@ -108,29 +108,6 @@ _FORBIDDEN_HEADERS: Final = frozenset(
 )
 
 
-_URL_QUERY_RE: Final = re.compile(r"(https?://[^\s?#'\"]*)\?[^\s#'\"]*")
-
-
-class RedactUrlQueries(logging.Filter):
-    """Replaces the query of every ``http(s)://`` URL in a log record with ``?<redacted>``.
-
-    Installed on the loggers of the MCP SDK's HTTP stack (``httpx2``, which logs every request URL
-    at INFO, and ``mcp.client.streamable_http``): a client-declared ``server_url`` may carry a
-    token in its query, and it must not reach the gateway's logs.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "?" in message:
-            record.msg = _URL_QUERY_RE.sub(r"\1?<redacted>", message)
-            record.args = None
-        return True
-
-
-for _name in ("httpx2", "mcp.client.streamable_http"):
-    logging.getLogger(_name).addFilter(RedactUrlQueries())
-
-
 def validate_label(label: object) -> str:
     """`label` if it is a valid server label (a letter, then up to 63 letters, digits, ``-``, ``_``).
 
