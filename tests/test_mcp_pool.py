@@ -1,4 +1,4 @@
-"""MCP session reuse (`middleware.tools.connections.SessionPool`): sessions kept open across rounds and
+"""MCP session reuse (`middleware.tools.pool.SessionPool`): sessions kept open across rounds and
 client requests, keyed by server and credentials, bounded, closed when idle, broken or at shutdown,
 and the one retry rule (only a call proven not to have run is sent again).
 
@@ -32,7 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from middleware.dev.demo_tools import demo_catalog
 from middleware.tools.catalog import McpServerConfig, PoolLimits, ToolCatalog, run_tool_calls
-from middleware.tools.connections import Endpoint, SessionPool, SessionUnavailable
+from middleware.tools.endpoints import Endpoint
+from middleware.tools.pool import SessionPool, SessionUnavailable
 from tests.helpers import FC, gateway, message_item, response_obj, sdk
 from tests.logs import gateway_log_filters
 from tests.mcp_servers import Probe, build_tools_server
@@ -1004,7 +1005,7 @@ def test_a_404_that_answers_the_request_itself_is_not_proof_it_did_not_run() -> 
     the server's dispatcher: reported as a failure that may have run, never sent again."""
     import httpx2
 
-    from middleware.tools.connections import SessionHealth, _GatewayTransport, call_not_run
+    from middleware.tools.session import SessionHealth, _GatewayTransport, call_not_run
 
     def answer(request: httpx2.Request) -> httpx2.Response:
         rpc = json.loads(request.content)

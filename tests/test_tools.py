@@ -32,7 +32,7 @@ from middleware.tools.catalog import (
     refuse_tool_call,
     run_tool_calls,
 )
-from middleware.tools.connections import UrlAllowlist, normalize_url
+from middleware.tools.endpoints import UrlAllowlist, normalize_url
 from middleware.tools.text import SurrogateEscapeFixer, scrub_text
 from tests.logs import gateway_log_filters
 from tests.mcp_servers import (

@@ -65,18 +65,16 @@ import mcp_types
 
 from middleware.errors import GatewayError, InvalidRequest
 from middleware.ops.redact import redact_url
-from middleware.tools.connections import (
+from middleware.tools.endpoints import (
     Endpoint,
     McpServerConfig,
-    PoolLimits,
-    SessionPool,
-    SessionUnavailable,
     UrlAllowlist,
     normalize_url,
     validate_headers,
     validate_label,
 )
 from middleware.tools.execute import ToolLedger, ToolOutcome, refuse_tool_call, run_tool_calls
+from middleware.tools.pool import PoolLimits, SessionPool, SessionUnavailable
 from middleware.tools.text import describe_exception, scrub_json, scrub_text
 
 __all__ = [

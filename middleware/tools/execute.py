@@ -22,7 +22,7 @@
 * **Failures** — unknown tool, server unreachable, MCP protocol error, any exception — become
   outcome ``error`` with an ``<error: …>`` text for the model. Every call gets exactly one outcome.
 * **Retry.** A call is sent again, once, on a new session only when the first attempt is proven
-  not to have run (`tools_conn.call_not_run`: the request never left the gateway, or the server
+  not to have run (`middleware.tools.session.call_not_run`: the request never left the gateway, or the server
   answered 404 for a session it no longer knows, as after a restart). Any other failure is
   reported: a tool call may have side effects and must not run twice.
 
@@ -31,7 +31,7 @@ charged; only what a tool returned is. Metrics: ``loopwarden_tool_calls_total{ou
 ``loopwarden_tool_call_duration_seconds`` observed for every returned `ToolOutcome`; calls cut short
 by a ledger overflow or by cancellation return no outcome and are not counted.
 
-**Sessions.** Each call leases a session from the catalog's `tools_conn.SessionPool`
+**Sessions.** Each call leases a session from the catalog's `middleware.tools.pool.SessionPool`
 (``resolved.pool``): an open session to its server (same URL, command or in-process server, same
 header values) is reused across calls, rounds and requests, and shared by concurrent calls; one is
 opened when none is free (within the catalog's ``connect_timeout``). A session on which a call is
@@ -57,13 +57,8 @@ import anyio
 import mcp
 
 from middleware.ops.metrics import CAP_HITS, TOOL_CALLS, TOOL_DURATION
-from middleware.tools.connections import (
-    ANSWER_TOO_LARGE,
-    SessionPool,
-    SessionUnavailable,
-    call_not_run,
-    session_failed,
-)
+from middleware.tools.pool import SessionPool, SessionUnavailable
+from middleware.tools.session import ANSWER_TOO_LARGE, call_not_run, session_failed
 from middleware.tools.text import describe_exception, result_text, scrub_text
 
 if TYPE_CHECKING:
