@@ -25,14 +25,10 @@ from prometheus_client import REGISTRY
 from budget import BudgetExceeded, Ledger
 from middleware.dev.demo_tools import demo_catalog, evaluate
 from middleware.errors import GatewayError
-from middleware.tools.catalog import (
-    McpServerConfig,
-    ResolvedTools,
-    ToolCatalog,
-    refuse_tool_call,
-    run_tool_calls,
-)
-from middleware.tools.endpoints import UrlAllowlist, normalize_url
+from middleware.tools.catalog import ToolCatalog
+from middleware.tools.endpoints import McpServerConfig, UrlAllowlist, normalize_url
+from middleware.tools.execute import refuse_tool_call, run_tool_calls
+from middleware.tools.resolved import ResolvedTools
 from middleware.tools.text import SurrogateEscapeFixer, scrub_text
 from tests.logs import gateway_log_filters
 from tests.mcp_servers import (

@@ -20,13 +20,9 @@ same request both expose a tool of the same name (after ``allowed_tools``), *bot
 tools keep their names. A client ``function`` tool whose name equals a final MCP function name is a
 400 ``duplicate_tool_name``. ``mcp_list_tools`` items always show the MCP names.
 
-**Approval.** ``require_approval`` follows OpenAI's API: ``"always"`` (the default), ``"never"``, or a
-filter object ``{"always": F, "never": F}`` where ``F`` is ``{"tool_names": [...], "read_only": bool}``;
-a tool matched by ``always`` needs approval, else one matched by ``never`` does not, else it does.
-``F`` matches a tool when every key it has matches (``read_only`` compares the tool's
-``readOnlyHint`` annotation, absent = false); an empty ``F`` matches nothing. ``allowed_tools`` is a
-list of names or an ``F`` object (empty = every tool). The gateway only *records* the decision in
-`GatewayTool.require_approval`; the loop controller acts on it.
+**Filters and approval.** ``allowed_tools`` narrows what a server exposes and ``require_approval``
+decides which calls the client must approve, as `middleware.tools.policy` describes; the catalog
+records the decision in `GatewayTool.require_approval` and the loop controller acts on it.
 
 **Errors** (all `GatewayError`, raised by `ToolCatalog.resolve` before anything is sent upstream):
 
@@ -73,43 +69,18 @@ from middleware.tools.endpoints import (
     validate_headers,
     validate_label,
 )
-from middleware.tools.execute import ToolLedger, ToolOutcome, refuse_tool_call, run_tool_calls
+from middleware.tools.policy import ApprovalPolicy, ToolFilter, parse_allowed_tools, parse_approval
 from middleware.tools.pool import PoolLimits, SessionPool, SessionUnavailable
+from middleware.tools.resolved import GatewayTool, ResolvedTools
 from middleware.tools.text import describe_exception, scrub_json, scrub_text
 
-__all__ = [
-    "GatewayTool",
-    "McpServerConfig",
-    "PoolLimits",
-    "ResolvedTools",
-    "ToolCatalog",
-    "ToolLedger",
-    "ToolOutcome",
-    "refuse_tool_call",
-    "run_tool_calls",
-]
+__all__ = ["MAX_LIST_PAGES", "ToolCatalog"]
 
 log = logging.getLogger("loopwarden.tools")
 
 # A server whose tools/list needs more pages than this is treated as unavailable (a paginator
 # that never ends must not hang a request).
 MAX_LIST_PAGES: Final = 100
-
-
-@dataclass(frozen=True)
-class GatewayTool:
-    """One MCP tool as this request exposes it.
-
-    ``server_label`` — the request's label for its server; ``name`` — the tool's real MCP name
-    (what ``tools/call`` gets); ``function_name`` — the name the upstream model sees (``name``, or
-    ``LABEL__name`` when two declared servers share ``name``); ``require_approval`` — whether a call
-    must be approved by the client before it runs.
-    """
-
-    server_label: str
-    name: str
-    function_name: str
-    require_approval: bool
 
 
 @dataclass(frozen=True)
@@ -124,39 +95,6 @@ class _ListedTool:
 
 
 @dataclass(frozen=True)
-class _Filter:
-    """OpenAI's tool filter ``{"tool_names": [...], "read_only": bool}``; None fields match all."""
-
-    names: frozenset[str] | None = None
-    read_only: bool | None = None
-
-    @property
-    def empty(self) -> bool:
-        return self.names is None and self.read_only is None
-
-    def matches(self, tool: _ListedTool) -> bool:
-        return (self.names is None or tool.name in self.names) and (
-            self.read_only is None or tool.read_only == self.read_only
-        )
-
-
-@dataclass(frozen=True)
-class _Approval:
-    """A parsed ``require_approval``: a constant, or ``always`` / ``never`` filters."""
-
-    constant: bool | None
-    always: _Filter | None = None
-    never: _Filter | None = None
-
-    def required(self, tool: _ListedTool) -> bool:
-        if self.constant is not None:
-            return self.constant
-        if self.always is not None and not self.always.empty and self.always.matches(tool):
-            return True
-        return not (self.never is not None and not self.never.empty and self.never.matches(tool))
-
-
-@dataclass(frozen=True)
 class _Declared:
     """One ``{"type": "mcp"}`` entry of a request, validated."""
 
@@ -164,8 +102,8 @@ class _Declared:
     label: str
     endpoint: Endpoint
     cache_key: tuple[str, ...]
-    allowed: _Filter
-    approval: _Approval
+    allowed: ToolFilter
+    approval: ApprovalPolicy
 
 
 @dataclass(frozen=True)
@@ -174,94 +112,8 @@ class _CacheEntry:
     tools: tuple[_ListedTool, ...]
 
 
-class ResolvedTools:
-    """The tools of one request after `ToolCatalog.resolve`.
-
-    * ``upstream_tools`` — the request's ``tools`` with each ``mcp`` entry replaced, in place, by one
-      ``{"type": "function", "name", "description", "parameters", "strict": False}`` per exposed MCP
-      tool (``parameters`` is the tool's ``inputSchema``); every other tool passed through unchanged;
-    * ``list_items`` — one ``{"type": "mcp_list_tools", "id": "mcpl_…", "server_label", "tools":
-      [{"name", "description", "input_schema", "annotations"}]}`` output item per declared server,
-      in declaration order, listing the tools that ``allowed_tools`` lets through;
-    * `gateway_tool` — the `GatewayTool` behind a function name, or None (client-owned).
-
-    It also carries how to reach each declared server (`endpoint`), secrets included, and the
-    catalog's session ``pool`` (None: `run_tool_calls` uses a pool of its own), for
-    `run_tool_calls`; its ``repr`` shows labels and function names only.
-    """
-
-    def __init__(
-        self,
-        *,
-        upstream_tools: list[dict[str, Any]],
-        list_items: list[dict[str, Any]],
-        gateway_tools: Mapping[str, GatewayTool],
-        endpoints: Mapping[str, Endpoint],
-        connect_timeout: float,
-        pool: SessionPool | None = None,
-    ) -> None:
-        self.upstream_tools = upstream_tools
-        self.list_items = list_items
-        self._gateway_tools = dict(gateway_tools)
-        self._endpoints = dict(endpoints)
-        self.connect_timeout = connect_timeout
-        self.pool = pool
-
-    def __repr__(self) -> str:
-        return (
-            f"ResolvedTools(servers={list(self._endpoints)!r}, gateway_tools={list(self._gateway_tools)!r})"
-        )
-
-    @property
-    def gateway_tools(self) -> Mapping[str, GatewayTool]:
-        """Function name -> `GatewayTool`, for every gateway-owned tool of this request."""
-        return self._gateway_tools
-
-    def gateway_tool(self, function_name: str) -> GatewayTool | None:
-        """The gateway-owned tool the upstream knows as `function_name`, or None (client-owned)."""
-        return self._gateway_tools.get(function_name)
-
-    def endpoint(self, server_label: str) -> Endpoint:
-        """How to reach the server this request declared as `server_label` (KeyError if none)."""
-        return self._endpoints[server_label]
-
-
 def _bad(index: int, message: str, code: str = "invalid_value") -> InvalidRequest:
     return InvalidRequest(f"tools[{index}]: {message}", code=code, param="tools")
-
-
-def _parse_filter(index: int, field: str, value: object) -> _Filter:
-    """A ``tool_names`` list or ``{"tool_names", "read_only"}`` object as a `_Filter`."""
-    if isinstance(value, list):
-        value = {"tool_names": value}
-    if not isinstance(value, Mapping):
-        raise _bad(index, f"{field} must be a list of tool names or an object with tool_names / read_only")
-    names = value.get("tool_names")
-    read_only = value.get("read_only")
-    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-        raise _bad(index, f"{field}.tool_names must be a list of strings")
-    if read_only is not None and not isinstance(read_only, bool):
-        raise _bad(index, f"{field}.read_only must be true or false")
-    return _Filter(names=None if names is None else frozenset(names), read_only=read_only)
-
-
-def _parse_approval(index: int, value: object) -> _Approval:
-    if value is None or value == "always":
-        return _Approval(constant=True)
-    if value == "never":
-        return _Approval(constant=False)
-    if isinstance(value, Mapping) and set(value) <= {"always", "never"}:
-        always = value.get("always")
-        never = value.get("never")
-        return _Approval(
-            constant=None,
-            always=None if always is None else _parse_filter(index, "require_approval.always", always),
-            never=None if never is None else _parse_filter(index, "require_approval.never", never),
-        )
-    raise _bad(
-        index,
-        'require_approval must be "always", "never" or an object with "always" / "never" tool filters',
-    )
 
 
 def _listed(tool: mcp_types.Tool) -> _ListedTool:
@@ -450,12 +302,11 @@ class ToolCatalog:
             label = validate_label(tool.get("server_label"))
         except ValueError as exc:
             raise _bad(index, str(exc)) from None
-        allowed = (
-            _Filter()
-            if tool.get("allowed_tools") is None
-            else _parse_filter(index, "allowed_tools", tool["allowed_tools"])
-        )
-        approval = _parse_approval(index, tool.get("require_approval"))
+        try:
+            allowed = parse_allowed_tools(tool.get("allowed_tools"))
+            approval = parse_approval(tool.get("require_approval"))
+        except ValueError as exc:
+            raise _bad(index, str(exc)) from None
         headers_given = tool.get("headers") not in (None, {}) or tool.get("authorization") is not None
         url = tool.get("server_url")
         if url is None:

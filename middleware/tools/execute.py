@@ -51,18 +51,16 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import anyio
 import mcp
 
 from middleware.ops.metrics import CAP_HITS, TOOL_CALLS, TOOL_DURATION
 from middleware.tools.pool import SessionPool, SessionUnavailable
+from middleware.tools.resolved import ResolvedTools
 from middleware.tools.session import ANSWER_TOO_LARGE, call_not_run, session_failed
 from middleware.tools.text import describe_exception, result_text, scrub_text
-
-if TYPE_CHECKING:
-    from middleware.tools.catalog import ResolvedTools
 
 __all__ = ["Outcome", "ToolLedger", "ToolOutcome", "refuse_tool_call", "run_tool_calls"]
 
