@@ -17,25 +17,30 @@ keeps them open across rounds and requests; the app's lifespan ends with ``await
 **Names.** The upstream sees each MCP tool under its own name. When two MCP servers declared in the
 same request both expose a tool of the same name (after ``allowed_tools``), *both* are renamed
 ``LABEL__name`` (the server label, two underscores, the MCP name), so neither silently wins; other
-tools keep their names. A client ``function`` tool whose name equals a final MCP function name is a
-400 ``duplicate_tool_name``. ``mcp_list_tools`` items always show the MCP names.
+tools keep their names. A client ``function`` tool whose name equals a final MCP function name is
+refused (``duplicate_tool_name``). ``mcp_list_tools`` items always show the MCP names.
 
 **Filters and approval.** ``allowed_tools`` narrows what a server exposes and ``require_approval``
 decides which calls the client must approve, as `middleware.tools.policy` describes; the catalog
 records the decision in `GatewayTool.require_approval` and the loop controller acts on it.
 
-**Errors** (all `GatewayError`, raised by `ToolCatalog.resolve` before anything is sent upstream):
+**Errors.** `ToolCatalog.resolve` raises failures of `middleware.errors` before anything is sent
+upstream; `middleware.outcomes` answers them (the status column is its table's, for reference):
 
-==================================  ======  ===========================  =============================
-situation                           status  code                         param
-==================================  ======  ===========================  =============================
-``server_label`` names no server    400     ``unknown_mcp_server``       ``tools``
-``server_url`` not on the allowlist 400     ``mcp_server_not_allowed``   ``tools``
-function tool name clashes          400     ``duplicate_tool_name``      ``tools``
-a label declared twice              400     ``duplicate_mcp_server``     ``tools``
-malformed field (label, url, …)     400     ``invalid_value``            ``tools``
-``tools/list`` fails or times out   502     ``mcp_server_unavailable``   ``tools``
-==================================  ======  ===========================  =============================
+==================================  ========================  ==========================  ======
+situation                           raised                    ``code``                    status
+==================================  ========================  ==========================  ======
+``server_label`` names no server    ``InvalidRequest``        ``unknown_mcp_server``      400
+``server_url`` not on the allowlist ``InvalidRequest``        ``mcp_server_not_allowed``  400
+function tool name clashes          ``InvalidRequest``        ``duplicate_tool_name``     400
+a label declared twice              ``InvalidRequest``        ``duplicate_mcp_server``    400
+malformed field (label, url, …)     ``InvalidRequest``        ``invalid_value``           400
+``tools/list`` fails or times out   ``McpServerUnavailable``  ``mcp_server_unavailable``  502
+==================================  ========================  ==========================  ======
+
+All carry ``param="tools"``. An ``InvalidRequest`` message starts with the entry at fault
+(``tools[i]: …``); ``McpServerUnavailable`` names the server's label and its ``code`` is left to
+its row.
 
 A server that cannot be listed fails the whole request (502, retryable) rather than being dropped:
 the model would otherwise run without tools the client asked for and answer as if they did not
@@ -59,7 +64,7 @@ import anyio
 import mcp
 import mcp_types
 
-from middleware.errors import GatewayError, InvalidRequest
+from middleware.errors import InvalidRequest, McpServerUnavailable
 from middleware.ops.redact import redact_url
 from middleware.tools.endpoints import (
     Endpoint,
@@ -206,9 +211,9 @@ class ToolCatalog:
         on: callers with different API keys never share an MCP session. Listings (side-effect
         free, cached for ``--mcp-list-ttl``) are shared.
 
-        Every ``{"type": "mcp"}`` entry is validated first (400s, no I/O); then the servers whose
+        Every ``{"type": "mcp"}`` entry is validated first (`InvalidRequest`, no I/O); then the servers whose
         lists are not cached are listed concurrently, each bounded by `connect_timeout` seconds
-        (502 ``mcp_server_unavailable`` if any fails). Non-mcp tools pass through unchanged. With no
+        (`McpServerUnavailable` if any fails). Non-mcp tools pass through unchanged. With no
         mcp entries this does no I/O at all.
         """
         tools = tools or []
@@ -297,7 +302,7 @@ class ToolCatalog:
         )
 
     def _declare(self, index: int, tool: Mapping[str, Any]) -> _Declared:
-        """Validate one ``{"type": "mcp"}`` entry (400s only, no I/O)."""
+        """Validate one ``{"type": "mcp"}`` entry (raises `InvalidRequest` only, no I/O)."""
         try:
             label = validate_label(tool.get("server_label"))
         except ValueError as exc:
@@ -353,7 +358,7 @@ class ToolCatalog:
         return _Declared(index, label, endpoint, ("client", normal, digest), allowed, approval)
 
     async def _list_all(self, declared: Sequence[_Declared]) -> dict[str, tuple[_ListedTool, ...]]:
-        """Each declared server's tools, from the cache or listed concurrently; 502 on a failure."""
+        """Each declared server's tools, from the cache or listed concurrently; `McpServerUnavailable` on a failure."""
         found: dict[str, tuple[_ListedTool, ...]] = {}
         failures: dict[str, BaseException] = {}
         now = time.monotonic()
@@ -384,11 +389,9 @@ class ToolCatalog:
                     else describe_exception(exc)
                 )
                 log.warning("MCP server %r: tools/list failed: %s", d.label, detail)
-                raise GatewayError(
+                raise McpServerUnavailable(
                     f"MCP server {d.label!r} is unavailable: listing its tools failed "
                     f"({detail}); retry later, or leave it out of tools",
-                    status=502,
-                    code="mcp_server_unavailable",
                     param="tools",
                 )
             if self.list_ttl > 0:
