@@ -796,8 +796,17 @@ def test_non_text_content_is_summarised_and_structured_content_used_without_text
 def test_refused_calls_are_counted() -> None:
     before = sample("loopwarden_tool_calls_total", outcome="refused")
     outcome = refuse_tool_call(call("c", "write_file"), reason="not today")
-    assert (outcome.call_id, outcome.outcome) == ("c", "refused")
-    assert outcome.output == "<error: the user did not approve this tool call: not today>"
+    assert (outcome.call_id, outcome.outcome, outcome.ok) == ("c", "refused", False)
+    assert outcome.output == outcome.error == "<the user denied this tool call: not today>"
+    assert (outcome.charge, outcome.duration) == (0, 0.0)
+    assert sample("loopwarden_tool_calls_total", outcome="refused") - before == 1
+
+
+@pytest.mark.parametrize("reason", [None, "", 42])
+def test_a_denial_without_a_reason_says_only_that(reason: Any) -> None:
+    before = sample("loopwarden_tool_calls_total", outcome="refused")
+    outcome = refuse_tool_call(call("c", "write_file"), reason)
+    assert outcome.output == "<the user denied this tool call>"
     assert sample("loopwarden_tool_calls_total", outcome="refused") - before == 1
 
 

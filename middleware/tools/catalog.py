@@ -196,10 +196,6 @@ class ToolCatalog:
         """The operator-configured servers, by label."""
         return self._servers
 
-    def clear_cache(self) -> None:
-        """Forget every cached tool list (the next `resolve` lists again)."""
-        self._cache.clear()
-
     async def aclose(self) -> None:
         """Close the pooled MCP sessions (`SessionPool.aclose`); later calls get no session."""
         await self.pool.aclose()
