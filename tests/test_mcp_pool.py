@@ -31,10 +31,9 @@ from openai import OpenAI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from middleware.dev.demo_tools import demo_catalog
-from middleware.tools.catalog import ToolCatalog
-from middleware.tools.endpoints import Endpoint, McpServerConfig
-from middleware.tools.execute import run_tool_calls
-from middleware.tools.pool import PoolLimits, SessionPool, SessionUnavailable
+from middleware.tools import McpServerConfig, PoolLimits, ToolCatalog, run_tool_calls
+from middleware.tools.endpoints import Endpoint
+from middleware.tools.pool import SessionPool, SessionUnavailable
 from tests.helpers import FC, gateway, message_item, response_obj, sdk
 from tests.logs import gateway_log_filters
 from tests.mcp_servers import Probe, build_tools_server

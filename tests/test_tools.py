@@ -7,6 +7,7 @@ ledger part) and B21 e of ../shared/cases/CASES.md are named in the tests.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import logging
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -22,14 +24,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
+import middleware.tools
 from budget import BudgetExceeded, Ledger
 from middleware.dev.demo_tools import demo_catalog, evaluate
 from middleware.errors import Failure, InvalidRequest, McpServerUnavailable
 from middleware.outcomes import resolve, retryable
-from middleware.tools.catalog import ToolCatalog
-from middleware.tools.endpoints import McpServerConfig, UrlAllowlist, normalize_url
-from middleware.tools.execute import refuse_tool_call, run_tool_calls
-from middleware.tools.resolved import ResolvedTools
+from middleware.tools import (
+    McpServerConfig,
+    ResolvedTools,
+    ToolCatalog,
+    UrlAllowlist,
+    refuse_tool_call,
+    run_tool_calls,
+)
+from middleware.tools.endpoints import normalize_url
 from middleware.tools.text import SurrogateEscapeFixer, scrub_text
 from tests.logs import gateway_log_filters
 from tests.mcp_servers import (
@@ -917,3 +925,50 @@ def test_surrogate_escape_fixer_gives_valid_json_whatever_the_chunking(
 
 def test_surrogate_escape_fixer_keeps_escaped_backslashes_and_pairs() -> None:
     assert _fix(rb'"\\udc8d \ud83d\ude00 \\\udc8d"', [3, 3, 3]) == rb'"\\udc8d \ud83d\ude00 \\\ufffd"'
+
+
+# --- the subpackage's shape ----------------------------------------------------------------------------------
+
+
+def test_the_facade_exports_what_the_gateway_uses() -> None:
+    assert middleware.tools.__all__ == [
+        "GatewayTool",
+        "McpServerConfig",
+        "PoolLimits",
+        "ResolvedTools",
+        "ToolCatalog",
+        "ToolLedger",
+        "ToolOutcome",
+        "UrlAllowlist",
+        "refuse_tool_call",
+        "run_tool_calls",
+    ]
+    for name in middleware.tools.__all__:
+        assert getattr(middleware.tools, name).__module__.startswith("middleware.tools.")
+
+
+def test_tool_modules_import_each_other_without_cycles() -> None:
+    """catalog and execute share `resolved` and never import each other (the old cycle)."""
+    package = Path(middleware.tools.__file__).parent
+    edges: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        tree = ast.parse(path.read_text())
+        edges[path.stem] = {
+            node.module.rsplit(".", 1)[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("middleware.tools.")
+        }
+    assert "execute" not in edges["catalog"] and "catalog" not in edges["execute"]
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join((*path, module))}"
+        if module not in done:
+            for target in edges[module]:
+                visit(target, (*path, module))
+            done.add(module)
+
+    for module in edges:
+        visit(module, ())

@@ -1,15 +1,13 @@
-"""Gateway-owned tools: MCP servers exposed to the model as function tools (DESIGN.md §6).
+"""Resolving a request's MCP tools: `ToolCatalog.resolve` (DESIGN.md §6 "Tool exposure").
 
-The loop controller uses three things, once per client request:
-
-1. ``resolved = await catalog.resolve(request["tools"])`` — `ToolCatalog` is created once per process
-   from the operator's servers and ``--mcp-allow`` prefixes; `resolve` turns the request's
-   ``{"type": "mcp", ...}`` tools into function tools for the upstream (`ResolvedTools.upstream_tools`)
-   and ``mcp_list_tools`` output items for the client (`ResolvedTools.list_items`).
-2. ``resolved.gateway_tool(call["name"])`` — a `GatewayTool` for a gateway-owned function call, or
-   None for a client-owned one (handed back to the client).
-3. ``await run_tool_calls(resolved, calls, ledger=...)`` — runs a round's gateway calls with the
-   §6 execution policy and returns one `ToolOutcome` per call, in call order (`tools_exec`).
+`ToolCatalog` is created once per process from the operator's servers (`McpServerConfig`) and
+``--mcp-allow`` prefixes (`UrlAllowlist`). Once per client request, ``resolved = await
+catalog.resolve(request["tools"])`` validates the request's ``{"type": "mcp", ...}`` tools, lists
+each server's tools (cached across requests for ``--mcp-list-ttl`` seconds) and returns a
+`ResolvedTools`: function tools for the upstream (``upstream_tools``), ``mcp_list_tools`` output
+items for the client (``list_items``) and, per function name, the `GatewayTool` behind a
+gateway-owned call (``resolved.gateway_tool(name)``; None for a client-owned one). Running the calls
+is `middleware.tools.execute.run_tool_calls`, which this module does not import.
 
 MCP sessions (listing and calls) come from the catalog's `SessionPool` (``catalog.pool``), which
 keeps them open across rounds and requests; the app's lifespan ends with ``await catalog.aclose()``.
@@ -354,7 +352,8 @@ class ToolCatalog:
         return _Declared(index, label, endpoint, ("client", normal, digest), allowed, approval)
 
     async def _list_all(self, declared: Sequence[_Declared]) -> dict[str, tuple[_ListedTool, ...]]:
-        """Each declared server's tools, from the cache or listed concurrently; `McpServerUnavailable` on a failure."""
+        """Each declared server's tools, from the cache or listed concurrently (each within
+        `connect_timeout` seconds); raises `McpServerUnavailable` naming the first that failed."""
         found: dict[str, tuple[_ListedTool, ...]] = {}
         failures: dict[str, BaseException] = {}
         now = time.monotonic()

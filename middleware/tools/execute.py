@@ -86,7 +86,9 @@ class ToolLedger(Protocol):
     in budget bytes, or raises (``BudgetExceeded``) leaving the ledger unchanged.
     """
 
-    def admit_tool_result(self, raw: bytes) -> int: ...
+    def admit_tool_result(self, raw: bytes) -> int:
+        """Charge `raw` (UTF-8 bytes); the charge in budget bytes. Raises if it does not fit."""
+        ...
 
 
 @dataclass

@@ -197,6 +197,7 @@ class Lease:
 
     @property
     def client(self) -> mcp.Client:
+        """The leased session's open ``mcp.Client`` (valid until the lease ends)."""
         assert self._entry.client is not None, "a lease is handed out once its session is open"
         return self._entry.client
 
