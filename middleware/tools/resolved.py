@@ -45,9 +45,10 @@ class ResolvedTools:
       in declaration order, listing the tools that ``allowed_tools`` lets through;
     * `gateway_tool` — the `GatewayTool` behind a function name, or None (client-owned).
 
-    It also carries how to reach each declared server (`endpoint`), secrets included, and the
-    catalog's session ``pool`` (None: `run_tool_calls` uses a pool of its own), for
-    `run_tool_calls`; its ``repr`` shows labels and function names only.
+    It also carries, for `run_tool_calls`, how to reach each declared server (`endpoint`), secrets
+    included, and the catalog's session ``pool`` (None: `run_tool_calls` uses a pool of its own,
+    opening sessions within ``connect_timeout`` seconds); its ``repr`` shows labels and function
+    names only.
     """
 
     def __init__(
