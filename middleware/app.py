@@ -45,7 +45,7 @@ from middleware.ops.request_id import RequestIdMiddleware
 from middleware.state import GatewayState
 from middleware.store.routes import store_routes
 from middleware.store.store import Store, open_store
-from middleware.tools.catalog import McpServerConfig, PoolLimits, ToolCatalog
+from middleware.tools import McpServerConfig, PoolLimits, ToolCatalog
 from middleware.upstream.aiohttp_client import AiohttpUpstream
 from middleware.upstream.errors import UpstreamBodyTooLarge, read_limited, status_failure
 from middleware.upstream.httpx_client import HttpxUpstream

@@ -1,4 +1,4 @@
-"""MCP session reuse (`middleware.tools.connections.SessionPool`): sessions kept open across rounds and
+"""MCP session reuse (`middleware.tools.pool.SessionPool`): sessions kept open across rounds and
 client requests, keyed by server and credentials, bounded, closed when idle, broken or at shutdown,
 and the one retry rule (only a call proven not to have run is sent again).
 
@@ -31,9 +31,11 @@ from openai import OpenAI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from middleware.dev.demo_tools import demo_catalog
-from middleware.tools.catalog import McpServerConfig, PoolLimits, ToolCatalog, run_tool_calls
-from middleware.tools.connections import Endpoint, SessionPool, SessionUnavailable
+from middleware.tools import McpServerConfig, PoolLimits, ToolCatalog, run_tool_calls
+from middleware.tools.endpoints import Endpoint
+from middleware.tools.pool import SessionPool, SessionUnavailable
 from tests.helpers import FC, gateway, message_item, response_obj, sdk
+from tests.logs import gateway_log_filters
 from tests.mcp_servers import Probe, build_tools_server
 from tests.mock_upstream import MockUpstream, Reply
 
@@ -357,7 +359,7 @@ def test_pool_keys_hold_no_secret_and_logs_name_no_header_value(caplog: pytest.L
             loop_pools = list(pool._loops.values())
             assert all(secret not in repr(key) for lp in loop_pools for key in lp.usable)
 
-        with caplog.at_level(logging.DEBUG):
+        with caplog.at_level(logging.DEBUG), gateway_log_filters():
             run(scenario())
     client_side = ("loopwarden", "mcp.client", "mcp.shared", "httpx2", "httpcore2")
     logged = [r.getMessage() for r in caplog.records if r.name.startswith(client_side)]
@@ -1003,7 +1005,7 @@ def test_a_404_that_answers_the_request_itself_is_not_proof_it_did_not_run() -> 
     the server's dispatcher: reported as a failure that may have run, never sent again."""
     import httpx2
 
-    from middleware.tools.connections import SessionHealth, _GatewayTransport, call_not_run
+    from middleware.tools.session import SessionHealth, _GatewayTransport, call_not_run
 
     def answer(request: httpx2.Request) -> httpx2.Response:
         rpc = json.loads(request.content)

@@ -7,6 +7,7 @@ ledger part) and B21 e of ../shared/cases/CASES.md are named in the tests.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import logging
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -22,18 +24,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
+import middleware.tools
 from budget import BudgetExceeded, Ledger
 from middleware.dev.demo_tools import demo_catalog, evaluate
-from middleware.errors import GatewayError
-from middleware.tools.catalog import (
+from middleware.errors import Failure, InvalidRequest, McpServerUnavailable
+from middleware.outcomes import resolve, retryable
+from middleware.tools import (
     McpServerConfig,
     ResolvedTools,
     ToolCatalog,
+    UrlAllowlist,
     refuse_tool_call,
     run_tool_calls,
 )
-from middleware.tools.connections import UrlAllowlist, normalize_url
+from middleware.tools.endpoints import normalize_url
 from middleware.tools.text import SurrogateEscapeFixer, scrub_text
+from tests.logs import gateway_log_filters
 from tests.mcp_servers import (
     STDIO_COMMAND,
     Probe,
@@ -116,8 +122,10 @@ async def resolve_and_run(
     return resolved, await run_tool_calls(resolved, calls, **kw)
 
 
-def refused(excinfo: pytest.ExceptionInfo[GatewayError]) -> tuple[int, str, str | None]:
-    return excinfo.value.status, excinfo.value.code, excinfo.value.param
+def refused(excinfo: pytest.ExceptionInfo[Failure]) -> tuple[type[Failure], str | None, str | None]:
+    """What `ToolCatalog.resolve` raised: (failure type, ``code``, ``param``). Raise sites name no
+    HTTP status; `middleware.outcomes` maps the failure to one."""
+    return type(excinfo.value), excinfo.value.code, excinfo.value.param
 
 
 # --- exposure: tools/list, names, filters, approval ---------------------------------------------------
@@ -272,45 +280,45 @@ def test_require_approval_forms(
     ],
 )
 def test_malformed_mcp_entries_are_400_invalid_value(catalog: ToolCatalog, entry: dict[str, Any]) -> None:
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve([{"type": "mcp", "server_label": "tools", **entry}]))
-    assert refused(excinfo) == (400, "invalid_value", "tools")
+    assert refused(excinfo) == (InvalidRequest, "invalid_value", "tools")
     assert excinfo.value.message.startswith("tools[0]: ")
 
 
 def test_unknown_label_is_400_unknown_mcp_server(catalog: ToolCatalog) -> None:
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve([{"type": "function", "name": "f"}, mcp_tool("nope")]))
-    assert refused(excinfo) == (400, "unknown_mcp_server", "tools")
+    assert refused(excinfo) == (InvalidRequest, "unknown_mcp_server", "tools")
     assert "tools[1]" in excinfo.value.message and "'nope'" in excinfo.value.message
     assert "configured: tools, other" in excinfo.value.message
 
 
 def test_function_tool_with_an_mcp_tool_name_is_400_duplicate_tool_name(catalog: ToolCatalog) -> None:
     tools = [mcp_tool(), {"type": "function", "name": "fast1", "parameters": {}}]
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve(tools))
-    assert refused(excinfo) == (400, "duplicate_tool_name", "tools")
+    assert refused(excinfo) == (InvalidRequest, "duplicate_tool_name", "tools")
     assert "tools[1]" in excinfo.value.message
     # the final (mangled) name is what counts: "lookup" no longer clashes once mangled
     tools = [mcp_tool(), mcp_tool("other"), {"type": "function", "name": "lookup", "parameters": {}}]
     assert run(catalog.resolve(tools)).upstream_tools[-1]["name"] == "lookup"
     tools = [mcp_tool(), mcp_tool("other"), {"type": "function", "name": "other__lookup", "parameters": {}}]
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve(tools))
-    assert refused(excinfo) == (400, "duplicate_tool_name", "tools")
+    assert refused(excinfo) == (InvalidRequest, "duplicate_tool_name", "tools")
 
 
 def test_a_label_declared_twice_is_400(catalog: ToolCatalog) -> None:
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve([mcp_tool(), mcp_tool()]))
-    assert refused(excinfo) == (400, "duplicate_mcp_server", "tools")
+    assert refused(excinfo) == (InvalidRequest, "duplicate_mcp_server", "tools")
 
 
 def test_headers_cannot_be_sent_to_an_operator_server(catalog: ToolCatalog) -> None:
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve([mcp_tool(headers={"X-User": "admin"})]))
-    assert refused(excinfo) == (400, "invalid_value", "tools")
+    assert refused(excinfo) == (InvalidRequest, "invalid_value", "tools")
     assert "admin" not in excinfo.value.message
 
 
@@ -354,9 +362,9 @@ def test_allowlist_accepts(url: str) -> None:
 def test_allowlist_refuses_with_400_mcp_server_not_allowed(url: str) -> None:
     catalog = ToolCatalog([], allow_prefixes=ALLOW)
     assert not UrlAllowlist(ALLOW).allows(normalize_url(url))
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve([{"type": "mcp", "server_label": "mine", "server_url": url}]))
-    assert refused(excinfo) == (400, "mcp_server_not_allowed", "tools")
+    assert refused(excinfo) == (InvalidRequest, "mcp_server_not_allowed", "tools")
     assert "--mcp-allow" in excinfo.value.message
 
 
@@ -374,17 +382,17 @@ def test_allowlist_refuses_with_400_mcp_server_not_allowed(url: str) -> None:
 )
 def test_unusable_server_urls_are_400_invalid_value(url: Any) -> None:
     catalog = ToolCatalog([], allow_prefixes=ALLOW)
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve([{"type": "mcp", "server_label": "mine", "server_url": url}]))
-    assert refused(excinfo) == (400, "invalid_value", "tools")
+    assert refused(excinfo) == (InvalidRequest, "invalid_value", "tools")
     if isinstance(url, str) and "pw" in url:
         assert "pw" not in excinfo.value.message
 
 
 def test_nothing_is_allowed_without_prefixes(tools_http: tuple[str, Recorder, Probe]) -> None:
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(ToolCatalog([]).resolve([{"type": "mcp", "server_label": "x", "server_url": tools_http[0]}]))
-    assert refused(excinfo) == (400, "mcp_server_not_allowed", "tools")
+    assert refused(excinfo) == (InvalidRequest, "mcp_server_not_allowed", "tools")
 
 
 @pytest.mark.parametrize(
@@ -396,9 +404,9 @@ def test_client_headers_the_gateway_owns_are_refused(
 ) -> None:
     catalog = ToolCatalog([], allow_prefixes=[tools_http[0]])
     entry = {"type": "mcp", "server_label": "mine", "server_url": tools_http[0], "headers": headers}
-    with pytest.raises(GatewayError) as excinfo:
+    with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve([entry]))
-    assert refused(excinfo) == (400, "invalid_value", "tools")
+    assert refused(excinfo) == (InvalidRequest, "invalid_value", "tools")
 
 
 def test_client_declared_headers_reach_that_server_only_and_are_never_shown(
@@ -419,7 +427,7 @@ def test_client_declared_headers_reach_that_server_only_and_are_never_shown(
         "allowed_tools": ["echo"],
     }
     seen_before = len(recorder.headers)
-    with caplog.at_level(logging.DEBUG):
+    with caplog.at_level(logging.DEBUG), gateway_log_filters():
         resolved, outcomes = run(
             resolve_and_run(
                 catalog, [call("c1", "echo"), call("c2", "weather")], tools=[entry, mcp_tool("other")]
@@ -478,10 +486,11 @@ def free_port() -> int:
 def test_a_server_that_is_down_fails_the_request_with_502() -> None:
     catalog = ToolCatalog([McpServerConfig(label="down", url=f"http://127.0.0.1:{free_port()}/mcp")])
     for _ in range(2):  # failures are not cached
-        with pytest.raises(GatewayError) as excinfo:
+        with pytest.raises(McpServerUnavailable) as excinfo:
             run(catalog.resolve([mcp_tool("down")]))
-        assert refused(excinfo) == (502, "mcp_server_unavailable", "tools")
-        assert excinfo.value.retryable is True
+        assert refused(excinfo) == (McpServerUnavailable, None, "tools")
+        outcome = resolve(excinfo.value)
+        assert (outcome.status, outcome.code, retryable(outcome)) == (502, "mcp_server_unavailable", True)
         assert excinfo.value.message.startswith(
             "MCP server 'down' is unavailable: listing its tools failed ("
         )
@@ -497,11 +506,12 @@ def test_a_server_that_never_answers_is_502_after_connect_timeout() -> None:
     with serve_asgi(hanging_app, lifespan="off") as base:
         catalog = ToolCatalog([McpServerConfig(label="hung", url=f"{base}/mcp")], connect_timeout=0.5)
         started = time.monotonic()
-        with pytest.raises(GatewayError) as excinfo:
+        with pytest.raises(McpServerUnavailable) as excinfo:
             run(catalog.resolve([mcp_tool("hung")]))
         elapsed = time.monotonic() - started
         release.set()
-    assert refused(excinfo) == (502, "mcp_server_unavailable", "tools")
+    assert refused(excinfo) == (McpServerUnavailable, None, "tools")
+    assert resolve(excinfo.value).status == 502
     assert "no answer within 0.5s" in excinfo.value.message
     assert 0.5 <= elapsed < 1.5
 
@@ -531,7 +541,7 @@ def test_server_config_repr_hides_header_values_and_query() -> None:
         label="x", url="http://a.example/mcp?token=qqq", headers={"Authorization": "Bearer zzz"}
     )
     assert repr(config) == (
-        "McpServerConfig(label='x', url='http://a.example/mcp', headers={'Authorization': '***'})"
+        "McpServerConfig(label='x', url='http://a.example/mcp?***', headers={'Authorization': '***'})"
     )
     assert config.url == "http://a.example/mcp?token=qqq"
 
@@ -794,8 +804,17 @@ def test_non_text_content_is_summarised_and_structured_content_used_without_text
 def test_refused_calls_are_counted() -> None:
     before = sample("loopwarden_tool_calls_total", outcome="refused")
     outcome = refuse_tool_call(call("c", "write_file"), reason="not today")
-    assert (outcome.call_id, outcome.outcome) == ("c", "refused")
-    assert outcome.output == "<error: the user did not approve this tool call: not today>"
+    assert (outcome.call_id, outcome.outcome, outcome.ok) == ("c", "refused", False)
+    assert outcome.output == outcome.error == "<the user denied this tool call: not today>"
+    assert (outcome.charge, outcome.duration) == (0, 0.0)
+    assert sample("loopwarden_tool_calls_total", outcome="refused") - before == 1
+
+
+@pytest.mark.parametrize("reason", [None, "", 42])
+def test_a_denial_without_a_reason_says_only_that(reason: Any) -> None:
+    before = sample("loopwarden_tool_calls_total", outcome="refused")
+    outcome = refuse_tool_call(call("c", "write_file"), reason)
+    assert outcome.output == "<the user denied this tool call>"
     assert sample("loopwarden_tool_calls_total", outcome="refused") - before == 1
 
 
@@ -906,3 +925,50 @@ def test_surrogate_escape_fixer_gives_valid_json_whatever_the_chunking(
 
 def test_surrogate_escape_fixer_keeps_escaped_backslashes_and_pairs() -> None:
     assert _fix(rb'"\\udc8d \ud83d\ude00 \\\udc8d"', [3, 3, 3]) == rb'"\\udc8d \ud83d\ude00 \\\ufffd"'
+
+
+# --- the subpackage's shape ----------------------------------------------------------------------------------
+
+
+def test_the_facade_exports_what_the_gateway_uses() -> None:
+    assert middleware.tools.__all__ == [
+        "GatewayTool",
+        "McpServerConfig",
+        "PoolLimits",
+        "ResolvedTools",
+        "ToolCatalog",
+        "ToolLedger",
+        "ToolOutcome",
+        "UrlAllowlist",
+        "refuse_tool_call",
+        "run_tool_calls",
+    ]
+    for name in middleware.tools.__all__:
+        assert getattr(middleware.tools, name).__module__.startswith("middleware.tools.")
+
+
+def test_tool_modules_import_each_other_without_cycles() -> None:
+    """catalog and execute share `resolved` and never import each other (the old cycle)."""
+    package = Path(middleware.tools.__file__).parent
+    edges: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        tree = ast.parse(path.read_text())
+        edges[path.stem] = {
+            node.module.rsplit(".", 1)[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("middleware.tools.")
+        }
+    assert "execute" not in edges["catalog"] and "catalog" not in edges["execute"]
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join((*path, module))}"
+        if module not in done:
+            for target in edges[module]:
+                visit(target, (*path, module))
+            done.add(module)
+
+    for module in edges:
+        visit(module, ())

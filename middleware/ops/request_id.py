@@ -4,7 +4,9 @@
 128 characters of ``[A-Za-z0-9._:-]`` (anything else is replaced, never echoed), else mints
 ``req_<32 hex>``; stores it in the `REQUEST_ID` context variable for the request's task tree and
 adds it to the response headers. `RequestIdFilter` stamps ``record.request_id`` on log records;
-`configure_logging(json=True)` writes one JSON object per line.
+`log_config` is the ``logging.config.dictConfig`` that puts it on every line (one JSON object per
+line with ``json_lines=True``) and hides URL credentials logged by the MCP SDK's HTTP stack
+(`middleware.ops.redact.RedactUrls`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import secrets
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from middleware.ops.redact import RedactUrls
 
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("loopwarden_request_id", default="-")
 _VALID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -85,7 +89,12 @@ class JsonFormatter(logging.Formatter):
 
 
 def log_config(level: str, *, json_lines: bool) -> dict[str, object]:
-    """A `logging.config.dictConfig` for uvicorn and the gateway: every line carries the request id."""
+    """A `logging.config.dictConfig` for uvicorn and the gateway: every line carries the request id.
+
+    `level` is a logging level name (``"info"``); ``json_lines`` picks `JsonFormatter`. The
+    loggers that print MCP server URLs (``httpx2``, ``mcp.client.streamable_http``) get the
+    ``redact_urls`` filter (`RedactUrls`): a client-declared URL's query may hold a token.
+    """
     formatter: dict[str, object] = (
         {"()": JsonFormatter}
         if json_lines
@@ -94,7 +103,7 @@ def log_config(level: str, *, json_lines: bool) -> dict[str, object]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"request_id": {"()": RequestIdFilter}},
+        "filters": {"request_id": {"()": RequestIdFilter}, "redact_urls": {"()": RedactUrls}},
         "formatters": {"default": formatter},
         "handlers": {
             "stderr": {
@@ -111,6 +120,7 @@ def log_config(level: str, *, json_lines: bool) -> dict[str, object]:
             "uvicorn.access": {"handlers": [], "level": level.upper(), "propagate": True},
             # HTTP clients log every request at INFO: the access log already has one line each
             "httpx": {"handlers": [], "level": "WARNING", "propagate": True},
-            "httpx2": {"handlers": [], "level": "WARNING", "propagate": True},
+            "httpx2": {"handlers": [], "level": "WARNING", "propagate": True, "filters": ["redact_urls"]},
+            "mcp.client.streamable_http": {"filters": ["redact_urls"]},
         },
     }

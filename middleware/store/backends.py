@@ -33,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import re
 import sqlite3
 import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
+
+from middleware.ops.redact import redact_url
 
 __all__ = [
     "Backend",
@@ -334,18 +335,6 @@ def _pg_sql(sql: str) -> str:
     if "%" in sql:
         raise ValueError(f"store SQL must not contain '%': {sql!r}")
     return sql.replace("?", "%s")
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password (``user:PASSWORD@`` or ``?password=``) replaced by ``***``,
-    for messages and repr."""
-    url = re.sub(r"([?&]password=)[^&]*", r"\1***", url, flags=re.IGNORECASE)
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("/", 1)[0]:
-        return url
-    userinfo, _, hostpart = rest.partition("@")
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{hostpart}" if ":" in userinfo else url
 
 
 class PostgresBackend:

@@ -1,1 +1,45 @@
-"""tools subpackage."""
+"""Gateway-owned tools: MCP servers exposed to the model as function tools, and their calls run
+by the gateway (DESIGN.md §6). The rest of the gateway imports from here only (`__all__`).
+
+Per client request the loop controller calls ``resolved = await catalog.resolve(tools, tenant=...)``
+(a `ToolCatalog` per process), asks ``resolved.gateway_tool(name)`` whether a function call is
+gateway-owned (a `GatewayTool`) or the client's (None), runs the gateway-owned ones with ``await
+run_tool_calls(resolved, calls, ledger=...)`` (one `ToolOutcome` per call, in call order) and
+answers each call the client denied with ``refuse_tool_call(call, reason)``.
+
+One job per module:
+
+* `catalog` — `ToolCatalog.resolve`: a request's ``mcp`` tools become function tools (names,
+  ``LABEL__name``, the ``tools/list`` cache), or the request is refused.
+* `resolved` — `ResolvedTools` and `GatewayTool`: what one request's tools resolved to.
+* `policy` — the ``allowed_tools`` and ``require_approval`` filters.
+* `execute` — `run_tool_calls` (window, timeout, cap, charge, retry) and `refuse_tool_call`.
+* `endpoints` — ingress policy: `McpServerConfig`, `Endpoint`, `normalize_url`, `UrlAllowlist`,
+  `validate_headers`.
+* `session` — `open_session`, the HTTP transport under a session, `SessionHealth`, `call_not_run`.
+* `pool` — `SessionPool` and its `Lease`, `PoolLimits`, `PoolStats`.
+* `text` — lone-surrogate scrubbing, MCP results as text, exception summaries.
+
+Imports point one way: ``text``, ``policy`` and ``endpoints`` import no other tool module;
+``session`` uses ``endpoints``; ``pool`` uses ``session``; ``resolved`` uses ``pool``; ``catalog``
+and ``execute`` use ``resolved`` and never each other.
+"""
+
+from middleware.tools.catalog import ToolCatalog
+from middleware.tools.endpoints import McpServerConfig, UrlAllowlist
+from middleware.tools.execute import ToolLedger, ToolOutcome, refuse_tool_call, run_tool_calls
+from middleware.tools.pool import PoolLimits
+from middleware.tools.resolved import GatewayTool, ResolvedTools
+
+__all__ = [
+    "GatewayTool",
+    "McpServerConfig",
+    "PoolLimits",
+    "ResolvedTools",
+    "ToolCatalog",
+    "ToolLedger",
+    "ToolOutcome",
+    "UrlAllowlist",
+    "refuse_tool_call",
+    "run_tool_calls",
+]

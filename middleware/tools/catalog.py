@@ -1,15 +1,13 @@
-"""Gateway-owned tools: MCP servers exposed to the model as function tools (DESIGN.md §6).
+"""Resolving a request's MCP tools: `ToolCatalog.resolve` (DESIGN.md §6 "Tool exposure").
 
-The loop controller uses three things, once per client request:
-
-1. ``resolved = await catalog.resolve(request["tools"])`` — `ToolCatalog` is created once per process
-   from the operator's servers and ``--mcp-allow`` prefixes; `resolve` turns the request's
-   ``{"type": "mcp", ...}`` tools into function tools for the upstream (`ResolvedTools.upstream_tools`)
-   and ``mcp_list_tools`` output items for the client (`ResolvedTools.list_items`).
-2. ``resolved.gateway_tool(call["name"])`` — a `GatewayTool` for a gateway-owned function call, or
-   None for a client-owned one (handed back to the client).
-3. ``await run_tool_calls(resolved, calls, ledger=...)`` — runs a round's gateway calls with the
-   §6 execution policy and returns one `ToolOutcome` per call, in call order (`tools_exec`).
+`ToolCatalog` is created once per process from the operator's servers (`McpServerConfig`) and
+``--mcp-allow`` prefixes (`UrlAllowlist`). Once per client request, ``resolved = await
+catalog.resolve(request["tools"])`` validates the request's ``{"type": "mcp", ...}`` tools, lists
+each server's tools (cached across requests for ``--mcp-list-ttl`` seconds) and returns a
+`ResolvedTools`: function tools for the upstream (``upstream_tools``), ``mcp_list_tools`` output
+items for the client (``list_items``) and, per function name, the `GatewayTool` behind a
+gateway-owned call (``resolved.gateway_tool(name)``; None for a client-owned one). Running the calls
+is `middleware.tools.execute.run_tool_calls`, which this module does not import.
 
 MCP sessions (listing and calls) come from the catalog's `SessionPool` (``catalog.pool``), which
 keeps them open across rounds and requests; the app's lifespan ends with ``await catalog.aclose()``.
@@ -17,29 +15,30 @@ keeps them open across rounds and requests; the app's lifespan ends with ``await
 **Names.** The upstream sees each MCP tool under its own name. When two MCP servers declared in the
 same request both expose a tool of the same name (after ``allowed_tools``), *both* are renamed
 ``LABEL__name`` (the server label, two underscores, the MCP name), so neither silently wins; other
-tools keep their names. A client ``function`` tool whose name equals a final MCP function name is a
-400 ``duplicate_tool_name``. ``mcp_list_tools`` items always show the MCP names.
+tools keep their names. A client ``function`` tool whose name equals a final MCP function name is
+refused (``duplicate_tool_name``). ``mcp_list_tools`` items always show the MCP names.
 
-**Approval.** ``require_approval`` follows OpenAI's API: ``"always"`` (the default), ``"never"``, or a
-filter object ``{"always": F, "never": F}`` where ``F`` is ``{"tool_names": [...], "read_only": bool}``;
-a tool matched by ``always`` needs approval, else one matched by ``never`` does not, else it does.
-``F`` matches a tool when every key it has matches (``read_only`` compares the tool's
-``readOnlyHint`` annotation, absent = false); an empty ``F`` matches nothing. ``allowed_tools`` is a
-list of names or an ``F`` object (empty = every tool). The gateway only *records* the decision in
-`GatewayTool.require_approval`; the loop controller acts on it.
+**Filters and approval.** ``allowed_tools`` narrows what a server exposes and ``require_approval``
+decides which calls the client must approve, as `middleware.tools.policy` describes; the catalog
+records the decision in `GatewayTool.require_approval` and the loop controller acts on it.
 
-**Errors** (all `GatewayError`, raised by `ToolCatalog.resolve` before anything is sent upstream):
+**Errors.** `ToolCatalog.resolve` raises failures of `middleware.errors` before anything is sent
+upstream; `middleware.outcomes` answers them (the status column is its table's, for reference):
 
-==================================  ======  ===========================  =============================
-situation                           status  code                         param
-==================================  ======  ===========================  =============================
-``server_label`` names no server    400     ``unknown_mcp_server``       ``tools``
-``server_url`` not on the allowlist 400     ``mcp_server_not_allowed``   ``tools``
-function tool name clashes          400     ``duplicate_tool_name``      ``tools``
-a label declared twice              400     ``duplicate_mcp_server``     ``tools``
-malformed field (label, url, …)     400     ``invalid_value``            ``tools``
-``tools/list`` fails or times out   502     ``mcp_server_unavailable``   ``tools``
-==================================  ======  ===========================  =============================
+==================================  ========================  ==========================  ======
+situation                           raised                    ``code``                    status
+==================================  ========================  ==========================  ======
+``server_label`` names no server    ``InvalidRequest``        ``unknown_mcp_server``      400
+``server_url`` not on the allowlist ``InvalidRequest``        ``mcp_server_not_allowed``  400
+function tool name clashes          ``InvalidRequest``        ``duplicate_tool_name``     400
+a label declared twice              ``InvalidRequest``        ``duplicate_mcp_server``    400
+malformed field (label, url, …)     ``InvalidRequest``        ``invalid_value``           400
+``tools/list`` fails or times out   ``McpServerUnavailable``  ``mcp_server_unavailable``  502
+==================================  ========================  ==========================  ======
+
+All carry ``param="tools"``. An ``InvalidRequest`` message starts with the entry at fault
+(``tools[i]: …``); ``McpServerUnavailable`` names the server's label and its ``code`` is left to
+its row.
 
 A server that cannot be listed fails the whole request (502, retryable) rather than being dropped:
 the model would otherwise run without tools the client asked for and answer as if they did not
@@ -63,55 +62,28 @@ import anyio
 import mcp
 import mcp_types
 
-from middleware.errors import GatewayError, InvalidRequest
-from middleware.tools.connections import (
+from middleware.errors import InvalidRequest, McpServerUnavailable
+from middleware.ops.redact import redact_url
+from middleware.tools.endpoints import (
     Endpoint,
     McpServerConfig,
-    PoolLimits,
-    SessionPool,
-    SessionUnavailable,
     UrlAllowlist,
     normalize_url,
-    redact_url,
     validate_headers,
     validate_label,
 )
-from middleware.tools.execute import ToolLedger, ToolOutcome, refuse_tool_call, run_tool_calls
+from middleware.tools.policy import ApprovalPolicy, ToolFilter, parse_allowed_tools, parse_approval
+from middleware.tools.pool import PoolLimits, SessionPool, SessionUnavailable
+from middleware.tools.resolved import GatewayTool, ResolvedTools
 from middleware.tools.text import describe_exception, scrub_json, scrub_text
 
-__all__ = [
-    "GatewayTool",
-    "McpServerConfig",
-    "PoolLimits",
-    "ResolvedTools",
-    "ToolCatalog",
-    "ToolLedger",
-    "ToolOutcome",
-    "refuse_tool_call",
-    "run_tool_calls",
-]
+__all__ = ["MAX_LIST_PAGES", "ToolCatalog"]
 
 log = logging.getLogger("loopwarden.tools")
 
 # A server whose tools/list needs more pages than this is treated as unavailable (a paginator
 # that never ends must not hang a request).
 MAX_LIST_PAGES: Final = 100
-
-
-@dataclass(frozen=True)
-class GatewayTool:
-    """One MCP tool as this request exposes it.
-
-    ``server_label`` — the request's label for its server; ``name`` — the tool's real MCP name
-    (what ``tools/call`` gets); ``function_name`` — the name the upstream model sees (``name``, or
-    ``LABEL__name`` when two declared servers share ``name``); ``require_approval`` — whether a call
-    must be approved by the client before it runs.
-    """
-
-    server_label: str
-    name: str
-    function_name: str
-    require_approval: bool
 
 
 @dataclass(frozen=True)
@@ -126,39 +98,6 @@ class _ListedTool:
 
 
 @dataclass(frozen=True)
-class _Filter:
-    """OpenAI's tool filter ``{"tool_names": [...], "read_only": bool}``; None fields match all."""
-
-    names: frozenset[str] | None = None
-    read_only: bool | None = None
-
-    @property
-    def empty(self) -> bool:
-        return self.names is None and self.read_only is None
-
-    def matches(self, tool: _ListedTool) -> bool:
-        return (self.names is None or tool.name in self.names) and (
-            self.read_only is None or tool.read_only == self.read_only
-        )
-
-
-@dataclass(frozen=True)
-class _Approval:
-    """A parsed ``require_approval``: a constant, or ``always`` / ``never`` filters."""
-
-    constant: bool | None
-    always: _Filter | None = None
-    never: _Filter | None = None
-
-    def required(self, tool: _ListedTool) -> bool:
-        if self.constant is not None:
-            return self.constant
-        if self.always is not None and not self.always.empty and self.always.matches(tool):
-            return True
-        return not (self.never is not None and not self.never.empty and self.never.matches(tool))
-
-
-@dataclass(frozen=True)
 class _Declared:
     """One ``{"type": "mcp"}`` entry of a request, validated."""
 
@@ -166,8 +105,8 @@ class _Declared:
     label: str
     endpoint: Endpoint
     cache_key: tuple[str, ...]
-    allowed: _Filter
-    approval: _Approval
+    allowed: ToolFilter
+    approval: ApprovalPolicy
 
 
 @dataclass(frozen=True)
@@ -176,94 +115,8 @@ class _CacheEntry:
     tools: tuple[_ListedTool, ...]
 
 
-class ResolvedTools:
-    """The tools of one request after `ToolCatalog.resolve`.
-
-    * ``upstream_tools`` — the request's ``tools`` with each ``mcp`` entry replaced, in place, by one
-      ``{"type": "function", "name", "description", "parameters", "strict": False}`` per exposed MCP
-      tool (``parameters`` is the tool's ``inputSchema``); every other tool passed through unchanged;
-    * ``list_items`` — one ``{"type": "mcp_list_tools", "id": "mcpl_…", "server_label", "tools":
-      [{"name", "description", "input_schema", "annotations"}]}`` output item per declared server,
-      in declaration order, listing the tools that ``allowed_tools`` lets through;
-    * `gateway_tool` — the `GatewayTool` behind a function name, or None (client-owned).
-
-    It also carries how to reach each declared server (`endpoint`), secrets included, and the
-    catalog's session ``pool`` (None: `run_tool_calls` uses a pool of its own), for
-    `run_tool_calls`; its ``repr`` shows labels and function names only.
-    """
-
-    def __init__(
-        self,
-        *,
-        upstream_tools: list[dict[str, Any]],
-        list_items: list[dict[str, Any]],
-        gateway_tools: Mapping[str, GatewayTool],
-        endpoints: Mapping[str, Endpoint],
-        connect_timeout: float,
-        pool: SessionPool | None = None,
-    ) -> None:
-        self.upstream_tools = upstream_tools
-        self.list_items = list_items
-        self._gateway_tools = dict(gateway_tools)
-        self._endpoints = dict(endpoints)
-        self.connect_timeout = connect_timeout
-        self.pool = pool
-
-    def __repr__(self) -> str:
-        return (
-            f"ResolvedTools(servers={list(self._endpoints)!r}, gateway_tools={list(self._gateway_tools)!r})"
-        )
-
-    @property
-    def gateway_tools(self) -> Mapping[str, GatewayTool]:
-        """Function name -> `GatewayTool`, for every gateway-owned tool of this request."""
-        return self._gateway_tools
-
-    def gateway_tool(self, function_name: str) -> GatewayTool | None:
-        """The gateway-owned tool the upstream knows as `function_name`, or None (client-owned)."""
-        return self._gateway_tools.get(function_name)
-
-    def endpoint(self, server_label: str) -> Endpoint:
-        """How to reach the server this request declared as `server_label` (KeyError if none)."""
-        return self._endpoints[server_label]
-
-
 def _bad(index: int, message: str, code: str = "invalid_value") -> InvalidRequest:
     return InvalidRequest(f"tools[{index}]: {message}", code=code, param="tools")
-
-
-def _parse_filter(index: int, field: str, value: object) -> _Filter:
-    """A ``tool_names`` list or ``{"tool_names", "read_only"}`` object as a `_Filter`."""
-    if isinstance(value, list):
-        value = {"tool_names": value}
-    if not isinstance(value, Mapping):
-        raise _bad(index, f"{field} must be a list of tool names or an object with tool_names / read_only")
-    names = value.get("tool_names")
-    read_only = value.get("read_only")
-    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-        raise _bad(index, f"{field}.tool_names must be a list of strings")
-    if read_only is not None and not isinstance(read_only, bool):
-        raise _bad(index, f"{field}.read_only must be true or false")
-    return _Filter(names=None if names is None else frozenset(names), read_only=read_only)
-
-
-def _parse_approval(index: int, value: object) -> _Approval:
-    if value is None or value == "always":
-        return _Approval(constant=True)
-    if value == "never":
-        return _Approval(constant=False)
-    if isinstance(value, Mapping) and set(value) <= {"always", "never"}:
-        always = value.get("always")
-        never = value.get("never")
-        return _Approval(
-            constant=None,
-            always=None if always is None else _parse_filter(index, "require_approval.always", always),
-            never=None if never is None else _parse_filter(index, "require_approval.never", never),
-        )
-    raise _bad(
-        index,
-        'require_approval must be "always", "never" or an object with "always" / "never" tool filters',
-    )
 
 
 def _listed(tool: mcp_types.Tool) -> _ListedTool:
@@ -341,10 +194,6 @@ class ToolCatalog:
         """The operator-configured servers, by label."""
         return self._servers
 
-    def clear_cache(self) -> None:
-        """Forget every cached tool list (the next `resolve` lists again)."""
-        self._cache.clear()
-
     async def aclose(self) -> None:
         """Close the pooled MCP sessions (`SessionPool.aclose`); later calls get no session."""
         await self.pool.aclose()
@@ -356,9 +205,9 @@ class ToolCatalog:
         on: callers with different API keys never share an MCP session. Listings (side-effect
         free, cached for ``--mcp-list-ttl``) are shared.
 
-        Every ``{"type": "mcp"}`` entry is validated first (400s, no I/O); then the servers whose
+        Every ``{"type": "mcp"}`` entry is validated first (`InvalidRequest`, no I/O); then the servers whose
         lists are not cached are listed concurrently, each bounded by `connect_timeout` seconds
-        (502 ``mcp_server_unavailable`` if any fails). Non-mcp tools pass through unchanged. With no
+        (`McpServerUnavailable` if any fails). Non-mcp tools pass through unchanged. With no
         mcp entries this does no I/O at all.
         """
         tools = tools or []
@@ -447,17 +296,16 @@ class ToolCatalog:
         )
 
     def _declare(self, index: int, tool: Mapping[str, Any]) -> _Declared:
-        """Validate one ``{"type": "mcp"}`` entry (400s only, no I/O)."""
+        """Validate one ``{"type": "mcp"}`` entry (raises `InvalidRequest` only, no I/O)."""
         try:
             label = validate_label(tool.get("server_label"))
         except ValueError as exc:
             raise _bad(index, str(exc)) from None
-        allowed = (
-            _Filter()
-            if tool.get("allowed_tools") is None
-            else _parse_filter(index, "allowed_tools", tool["allowed_tools"])
-        )
-        approval = _parse_approval(index, tool.get("require_approval"))
+        try:
+            allowed = parse_allowed_tools(tool.get("allowed_tools"))
+            approval = parse_approval(tool.get("require_approval"))
+        except ValueError as exc:
+            raise _bad(index, str(exc)) from None
         headers_given = tool.get("headers") not in (None, {}) or tool.get("authorization") is not None
         url = tool.get("server_url")
         if url is None:
@@ -504,7 +352,8 @@ class ToolCatalog:
         return _Declared(index, label, endpoint, ("client", normal, digest), allowed, approval)
 
     async def _list_all(self, declared: Sequence[_Declared]) -> dict[str, tuple[_ListedTool, ...]]:
-        """Each declared server's tools, from the cache or listed concurrently; 502 on a failure."""
+        """Each declared server's tools, from the cache or listed concurrently (each within
+        `connect_timeout` seconds); raises `McpServerUnavailable` naming the first that failed."""
         found: dict[str, tuple[_ListedTool, ...]] = {}
         failures: dict[str, BaseException] = {}
         now = time.monotonic()
@@ -535,11 +384,9 @@ class ToolCatalog:
                     else describe_exception(exc)
                 )
                 log.warning("MCP server %r: tools/list failed: %s", d.label, detail)
-                raise GatewayError(
+                raise McpServerUnavailable(
                     f"MCP server {d.label!r} is unavailable: listing its tools failed "
                     f"({detail}); retry later, or leave it out of tools",
-                    status=502,
-                    code="mcp_server_unavailable",
                     param="tools",
                 )
             if self.list_ttl > 0:

@@ -12,8 +12,8 @@
   any wait for its server's session; then its MCP request is cancelled (the server sees the
   cancellation) and the output is ``<error: tool timed out after Ns>`` (B16). Counted as a cap hit
   ``loopwarden_cap_hits_total{limit="tool_timeout",outcome="tool_error"}``.
-* **Result.** The ``CallToolResult`` as text (`tools_text.result_text`); lone surrogates replaced by
-  U+FFFD first (B21 e); ``isError`` results keep the tool's text with outcome ``error``.
+* **Result.** The ``CallToolResult`` as text (`middleware.tools.text.result_text`); lone surrogates
+  replaced by U+FFFD first (B21 e); ``isError`` results keep the tool's text with outcome ``error``.
 * **Cap, then charge.** A result whose UTF-8 encoding is over ``max_result_bytes`` becomes an error
   output (outcome ``too_large``) and is not charged. Every other tool result is charged with
   ``ledger.admit_tool_result(output bytes)`` before it is kept. The ledger's exception (a
@@ -22,16 +22,19 @@
 * **Failures** — unknown tool, server unreachable, MCP protocol error, any exception — become
   outcome ``error`` with an ``<error: …>`` text for the model. Every call gets exactly one outcome.
 * **Retry.** A call is sent again, once, on a new session only when the first attempt is proven
-  not to have run (`tools_conn.call_not_run`: the request never left the gateway, or the server
-  answered 404 for a session it no longer knows, as after a restart). Any other failure is
-  reported: a tool call may have side effects and must not run twice.
+  not to have run (`middleware.tools.session.call_not_run`: the request never left the gateway, or
+  the server answered 404 for a session it no longer knows, as after a restart). Any other failure
+  is reported: a tool call may have side effects and must not run twice.
+* **Denials.** A call the client denied is never run: `refuse_tool_call` is the one place that
+  builds its outcome (``refused``, ``<the user denied this tool call…>``).
 
 Gateway-made error texts are short (at most about 700 bytes: messages are truncated) and are not
-charged; only what a tool returned is. Metrics: ``loopwarden_tool_calls_total{outcome}`` +1 and
-``loopwarden_tool_call_duration_seconds`` observed for every returned `ToolOutcome`; calls cut short
-by a ledger overflow or by cancellation return no outcome and are not counted.
+charged; only what a tool returned is. Metrics: ``loopwarden_tool_calls_total{outcome}`` +1 for
+every returned `ToolOutcome` (denials included) and ``loopwarden_tool_call_duration_seconds``
+observed for every call that was run; calls cut short by a ledger overflow or by cancellation return
+no outcome and are not counted.
 
-**Sessions.** Each call leases a session from the catalog's `tools_conn.SessionPool`
+**Sessions.** Each call leases a session from the catalog's `middleware.tools.pool.SessionPool`
 (``resolved.pool``): an open session to its server (same URL, command or in-process server, same
 header values) is reused across calls, rounds and requests, and shared by concurrent calls; one is
 opened when none is free (within the catalog's ``connect_timeout``). A session on which a call is
@@ -51,23 +54,16 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import anyio
 import mcp
 
 from middleware.ops.metrics import CAP_HITS, TOOL_CALLS, TOOL_DURATION
-from middleware.tools.connections import (
-    ANSWER_TOO_LARGE,
-    SessionPool,
-    SessionUnavailable,
-    call_not_run,
-    session_failed,
-)
+from middleware.tools.pool import SessionPool, SessionUnavailable
+from middleware.tools.resolved import ResolvedTools
+from middleware.tools.session import ANSWER_TOO_LARGE, call_not_run, session_failed
 from middleware.tools.text import describe_exception, result_text, scrub_text
-
-if TYPE_CHECKING:
-    from middleware.tools.catalog import ResolvedTools
 
 __all__ = ["Outcome", "ToolLedger", "ToolOutcome", "refuse_tool_call", "run_tool_calls"]
 
@@ -90,7 +86,9 @@ class ToolLedger(Protocol):
     in budget bytes, or raises (``BudgetExceeded``) leaving the ledger unchanged.
     """
 
-    def admit_tool_result(self, raw: bytes) -> int: ...
+    def admit_tool_result(self, raw: bytes) -> int:
+        """Charge `raw` (UTF-8 bytes); the charge in budget bytes. Raises if it does not fit."""
+        ...
 
 
 @dataclass
@@ -120,13 +118,18 @@ class ToolOutcome:
         return self.error is None
 
 
-def refuse_tool_call(call: Mapping[str, Any], *, reason: str | None = None) -> ToolOutcome:
-    """The outcome of a call the client did not approve (``mcp_approval_response`` with
-    ``approve: false``): not run, outcome ``refused``, counted in ``loopwarden_tool_calls_total``
-    (no duration: nothing ran). `reason` (the client's, optional) is quoted to the model."""
-    text = "<error: the user did not approve this tool call>"
-    if reason:
-        text = f"<error: the user did not approve this tool call: {scrub_text(reason)[:500]}>"
+def refuse_tool_call(call: Mapping[str, Any], reason: str | None = None) -> ToolOutcome:
+    """The outcome of a call the client denied (``mcp_approval_response`` with ``approve: false``).
+
+    The call is not run. ``output`` — the ``function_call_output`` the model is fed — is exactly
+    ``<the user denied this tool call>``, or ``<the user denied this tool call: REASON>`` when
+    `reason` (the client's ``reason``) is a non-empty string (anything else is left out; lone
+    surrogates in it become U+FFFD). Outcome ``refused``, ``error`` the same text, ``charge`` and
+    ``duration`` 0 (nothing ran). Counts ``loopwarden_tool_calls_total{outcome="refused"}`` once
+    per call, and nothing in the duration histogram. Raises nothing.
+    """
+    shown = f": {scrub_text(reason)}" if isinstance(reason, str) and reason else ""
+    text = f"<the user denied this tool call{shown}>"
     TOOL_CALLS.labels(outcome="refused").inc()
     return ToolOutcome(call_id=str(call.get("call_id")), output=text, error=text, outcome="refused")
 
