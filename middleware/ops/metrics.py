@@ -1,7 +1,9 @@
 """Prometheus metrics (DESIGN.md §8): module-level singletons, base units, bounded labels only.
 
 Labels never carry ids, user strings, tool names or error messages; the ``model`` label is one of
-the configured model names or ``other`` (see `model_label`).
+the configured model names or ``other`` (the request intake picks it once it has read the body's
+``model``: ``middleware.asgi.intake.Intake.model_label``); an error code becomes the ``code`` label
+through `stream_error_label`.
 """
 
 from __future__ import annotations
