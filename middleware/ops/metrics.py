@@ -98,11 +98,16 @@ UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
 )
 #: ``loopwarden_tool_calls_total{outcome}``.
 TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
-#: ``loopwarden_stream_errors_total{code}``: the codes the gateway itself can send after commit
-#: (DESIGN.md §5). Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded
-#: strings and are folded into ``upstream_error`` (`stream_error_label`).
+#: ``loopwarden_stream_errors_total{code}``: the codes the gateway itself can send after commit,
+#: i.e. ``middleware.outcomes.stream_error_codes()`` (the §5 rows that can happen after commit).
+#: Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded strings and are
+#: folded into ``upstream_error`` (`stream_error_label`). Spelled out here rather than derived from
+#: the outcome table: ``middleware.outcomes`` imports this module to count, and the dashboards
+#: must read the contract without importing the request path; tests/test_metrics_contract.py
+#: asserts the two are equal and cover DESIGN.md §5's after-commit codes.
 STREAM_ERROR_CODES: tuple[str, ...] = (
     "max_retained_bytes_exceeded",
+    "upstream_response_too_large",
     "max_infer_iters_exceeded",
     "upstream_timeout",
     "request_deadline_exceeded",
@@ -110,7 +115,11 @@ STREAM_ERROR_CODES: tuple[str, ...] = (
     "upstream_invalid_response",
     "upstream_auth_failed",
     "upstream_error",
+    "upstream_unavailable",
+    "process_budget_exceeded",
     "server_shutting_down",
+    "mcp_server_unavailable",
+    "store_unavailable",
     "internal_error",
 )
 #: ``loopwarden_requests_total{status}``: the statuses DESIGN.md §5 answers with, plus 404/405
