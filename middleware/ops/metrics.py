@@ -23,7 +23,7 @@ an error code becomes the ``code`` label through `stream_error_label`.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -406,10 +406,24 @@ def _preinitialise() -> None:
 _preinitialise()
 
 
+_before_scrape: Callable[[], None] | None = None
+
+
+def publish_before_scrape(publish: Callable[[], None]) -> None:
+    """Have `exposition` call `publish` first, so gauges that are not written on every change
+    (the admission pool's) are current in this process's files. One callback: a later call
+    replaces it."""
+    global _before_scrape
+    _before_scrape = publish
+
+
 def exposition() -> bytes:
     """The Prometheus text page: this process's registry, or — with ``--workers`` > 1, when
     ``PROMETHEUS_MULTIPROC_DIR`` is set — every worker's metrics aggregated (counters summed,
-    in-flight gauges summed over live workers)."""
+    in-flight gauges summed over live workers; a worker other than the one answering the scrape
+    contributes the admission gauges as of its last request start or end)."""
+    if _before_scrape is not None:
+        _before_scrape()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
