@@ -66,9 +66,11 @@ CAP_OUTCOMES: tuple[str, ...] = (
     "incomplete",
     "tool_error",
 )
-#: The (limit, outcome) pairs the DESIGN.md §5 outcome table can produce, pre-initialised at
-#: import so dashboards show 0 instead of "No data" and the live check sees a series for every
-#: cap-hit query.
+#: The (limit, outcome) pairs pre-initialised at import, so dashboards show 0 instead of "No
+#: data" and the live check sees a series for every cap-hit query: the cap-hit rows of DESIGN.md
+#: §5, and the two the loop and the tools count (max_tool_calls, tool_timeout). A pair the
+#: outcome table (``middleware.outcomes``) produces beyond these (e.g. ``admission`` with ``502``
+#: when the pool refuses a later charge) appears on its first hit.
 CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     ("max_retained_bytes", "413"),  # initial payload or restored history
     ("max_retained_bytes", "502"),  # later overflow, before commit
@@ -99,7 +101,7 @@ UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
 #: ``loopwarden_tool_calls_total{outcome}``.
 TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
 #: ``loopwarden_stream_errors_total{code}``: the codes the gateway itself can send after commit,
-#: i.e. ``middleware.outcomes.stream_error_codes()`` (the §5 rows that can happen after commit).
+#: i.e. ``middleware.outcomes.stream_error_codes()`` (its rows that can happen after commit).
 #: Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded strings and are
 #: folded into ``upstream_error`` (`stream_error_label`). Spelled out here rather than derived from
 #: the outcome table: ``middleware.outcomes`` imports this module to count, and the dashboards
@@ -216,7 +218,7 @@ MetricType = Literal["counter", "gauge", "histogram"]
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric family of DESIGN.md §8.
+    """One metric family of the contract (DESIGN.md §8).
 
     `documentation` is the help text the app exposes. `labels` maps each label name to its
     allowed values, or to ``None`` when the values are operator-defined (``model``: the
