@@ -1,12 +1,13 @@
 """Write loopwarden's Grafana dashboards, Grafana provisioning files and Prometheus alert rules.
 
-Usage (from the repository root; stdlib only)::
+Usage (from the repository root, with the project's dependencies installed: the metric contract
+is `middleware.ops.metrics`, which needs prometheus-client)::
 
     python -m dashboards.generate           # (re)write the files under dashboards/
     python -m dashboards.generate --check   # exit 1 if a committed file differs from what this writes
 
-Everything is derived from `dashboards.queries` (metric contract, PromQL, thresholds), so a
-dashboard, an alert and the live check can never disagree about a query. Output is
+Everything is derived from `dashboards.queries` (PromQL, thresholds, the re-exported metric
+contract), so a dashboard, an alert and the live check can never disagree about a query. Output is
 deterministic: stable uids, stable panel ids, sorted nothing that order matters for.
 """
 
@@ -551,6 +552,23 @@ def _capacity() -> JSON:
             " worker's memory must carry.",
             ["inflight_requests"],
             width=6,
+        ),
+        Panel(
+            "Admission pool: reserved vs budget",
+            "Per instance: budget bytes reserved from the admission pool by the requests in flight (each"
+            " reserves before its body is read, then its ledger charges draw from that reservation), against"
+            " the pool (--max-inflight-retained-bytes, summed over workers). A new request that does not fit"
+            " is answered 503 server_overloaded; compare with the live ledger charges above.",
+            ["admission_reserved_by_instance", "admission_budget_by_instance"],
+            unit="bytes",
+        ),
+        Panel(
+            "Memory pressure",
+            "Per instance: used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM) as"
+            " last polled by admission control; new requests are shed above --memory-pressure-threshold"
+            " (default 90%).",
+            ["memory_pressure_by_instance"],
+            unit="percentunit",
         ),
     ]
     return _dashboard(

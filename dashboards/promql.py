@@ -6,7 +6,8 @@
 * `referenced_metrics` and `selectors` read which metric names and label matchers an
   expression uses. They lex the expression (strings, durations, keywords, grouping
   clauses); they do not build a full AST, which is enough to check names and label
-  values against the contract in `dashboards.queries`. Syntax itself is ``promtool``'s job.
+  values against the contract (`middleware.ops.metrics`, via `dashboards.queries`). Syntax
+  itself is ``promtool``'s job.
 * `go_float` and `le_regex` deal with the text form of histogram ``le`` labels, which is
   not stable: Python's prometheus-client writes ``4096.0`` and ``1.6777216e+07``, Go's
   client ``4096``, and Prometheus 3 normalises to ``4096.0``. A query that must pick one

@@ -1,16 +1,19 @@
-"""The metrics contract (DESIGN.md §8) and every PromQL expression the dashboards and alerts use.
+"""Every PromQL expression the dashboards and alerts use, checked against the metric contract.
 
-This module is the single source of truth for:
+The metric contract of DESIGN.md §8 (metric names, types, label names and allowed label values,
+histogram bucket bounds: `METRICS`, `CAP_LIMITS`, `RETAINED_BYTES_BUCKETS`, ...) is defined once,
+in `middleware.ops.metrics`, where the app creates its Prometheus metrics from it; this module
+re-exports it (dashboards import middleware, never the reverse). What this module defines:
 
-* metric names, types and allowed label values (`METRICS`, `CAP_LIMITS`, `CAP_OUTCOMES`, ...),
-  so the app's metric definitions can import one definition;
-* histogram bucket bounds (`RETAINED_BYTES_BUCKETS`, `UTILIZATION_BUCKETS`, `ROUNDS_BUCKETS`,
-  `LATENCY_BUCKETS`): queries that pick one bucket (``le``) are only right if the app uses
-  exactly these;
 * the PromQL of every dashboard panel (`QUERIES`) and alert rule (`ALERTS`), so a live check
-  against a real Prometheus can run them all (`all_expressions`), after `substitute`.
+  against a real Prometheus can run them all (`all_expressions`), after `substitute`;
+* `contract_problems`, which finds where an expression breaks the contract (what Prometheus
+  would answer with zero series instead of an error);
+* the series a query may select (`series_names`, `STANDARD_METRICS`, `TARGET_LABELS`) and the
+  dashboard variables and alert thresholds.
 
-Stdlib only, nothing computed at import beyond constants: the app may import it.
+Of the app it imports only `middleware.ops.metrics` (and so prometheus-client); nothing is
+computed at import beyond constants.
 """
 
 from __future__ import annotations
@@ -21,6 +24,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dashboards.promql import go_float, le_regex, selectors, substitute
+from middleware.ops.metrics import (
+    CAP_HIT_PAIRS,
+    CAP_LIMITS,
+    CAP_OUTCOMES,
+    HTTP_STATUSES,
+    LATENCY_BUCKETS,
+    METRICS,
+    OTHER_MODEL,
+    RETAINED_BYTES_BUCKETS,
+    ROUNDS_BUCKETS,
+    STREAM_ERROR_CODES,
+    TOOL_OUTCOMES,
+    UPSTREAM_ERROR_KINDS,
+    UTILIZATION_BUCKETS,
+    MetricSpec,
+    MetricType,
+)
 
 __all__ = [
     "ALERTS",
@@ -35,6 +55,7 @@ __all__ = [
     "JOB_VARIABLE_METRIC",
     "LATENCY_BUCKETS",
     "METRICS",
+    "OTHER_MODEL",
     "QUANTILES",
     "QUERIES",
     "RETAINED_BYTES_BUCKETS",
@@ -49,6 +70,7 @@ __all__ = [
     "Alert",
     "Expression",
     "MetricSpec",
+    "MetricType",
     "Query",
     "all_expressions",
     "contract_problems",
@@ -59,295 +81,9 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-# --- label values (DESIGN.md §8) ---------------------------------------------------------------
-
-#: ``loopwarden_cap_hits_total{limit}``: which limit stopped or cut the request.
-CAP_LIMITS: tuple[str, ...] = (
-    "max_retained_bytes",
-    "request_body",
-    "upstream_body",
-    "max_infer_iters",
-    "max_tool_calls",
-    "tool_timeout",
-    "client_body_timeout",
-    "request_deadline",
-    "admission",
-)
-#: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
-CAP_OUTCOMES: tuple[str, ...] = (
-    "400",
-    "408",
-    "413",
-    "502",
-    "503",
-    "504",
-    "508",
-    "sse_error",
-    "incomplete",
-    "tool_error",
-)
-#: The (limit, outcome) pairs the DESIGN.md §5 outcome table can produce. The app may
-#: pre-initialise exactly these, so dashboards show 0 instead of "No data" and the live check
-#: sees a series for every cap-hit query.
-CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
-    ("max_retained_bytes", "413"),  # initial payload or restored history
-    ("max_retained_bytes", "502"),  # later overflow, before commit
-    ("max_retained_bytes", "sse_error"),  # later overflow, after commit
-    ("request_body", "413"),  # raw body over limit // 32
-    ("upstream_body", "502"),  # buffered upstream Content-Length over limit // 8
-    ("max_infer_iters", "508"),
-    ("max_infer_iters", "sse_error"),
-    ("max_tool_calls", "incomplete"),  # the request's own max_tool_calls: the client's choice
-    ("tool_timeout", "tool_error"),  # fed back to the model as an error output
-    ("client_body_timeout", "408"),
-    ("request_deadline", "504"),
-    ("request_deadline", "sse_error"),
-    ("admission", "503"),  # process pool full
-    ("admission", "413"),  # one reservation larger than the whole pool
-)
-#: ``loopwarden_upstream_errors_total{kind}``.
-UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
-    "connect",
-    "timeout",
-    "eof",
-    "protocol",
-    "decode",
-    "status_4xx",
-    "status_5xx",
-    "stream_error",
-)
-#: ``loopwarden_tool_calls_total{outcome}``.
-TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
-#: ``loopwarden_stream_errors_total{code}``: the DESIGN.md §5 codes that can be sent after commit.
-#: Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded strings and
-#: must be folded into ``upstream_error`` before they become a label value.
-STREAM_ERROR_CODES: tuple[str, ...] = (
-    "max_retained_bytes_exceeded",
-    "max_infer_iters_exceeded",
-    "upstream_timeout",
-    "request_deadline_exceeded",
-    "upstream_incomplete",
-    "upstream_invalid_response",
-    "upstream_auth_failed",
-    "upstream_error",
-    "server_shutting_down",
-    "internal_error",
-)
-#: ``loopwarden_requests_total{status}``: the statuses DESIGN.md §5 answers with, plus 404/405
-#: from routing, 500 (a bug: no client input may cause it) and 499 (client went away before a
-#: status was sent, the nginx convention).
-HTTP_STATUSES: tuple[str, ...] = (
-    "200",
-    "400",
-    "401",
-    "403",
-    "404",
-    "405",
-    "408",
-    "409",
-    "413",
-    "422",
-    "429",
-    "499",
-    "500",
-    "502",
-    "503",
-    "504",
-    "508",
-)
-#: ``loopwarden_requests_total{model}`` holds the names configured under ``models:`` (not known
-#: here) and this value for every other model.
-OTHER_MODEL = "other"
 #: Labels Prometheus attaches to every scraped series (allowed in any matcher or grouping).
 TARGET_LABELS: tuple[str, ...] = ("job", "instance")
 
-# --- histogram buckets -------------------------------------------------------------------------
-
-#: ``loopwarden_retained_bytes_peak``: powers of two from 4 KiB to 256 MiB, i.e. the whole
-#: ``max_retained_bytes`` range (4096..=268435456), so every candidate limit that is a power of
-#: two is a bucket bound. A peak never exceeds its limit, so +Inf holds nothing above 256 MiB.
-RETAINED_BYTES_BUCKETS: tuple[float, ...] = tuple(float(4 * KiB * 2**i) for i in range(17))
-#: ``loopwarden_retained_utilization_ratio`` (peak / limit, in 0..=1; a peak equal to the
-#: limit is admitted and lands in the 1.0 bucket).
-UTILIZATION_BUCKETS: tuple[float, ...] = (
-    0.01,
-    0.05,
-    0.1,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.6,
-    0.7,
-    0.8,
-    0.9,
-    0.95,
-    0.99,
-    1.0,
-)
-#: ``loopwarden_inference_rounds``: every integer up to 10 (the default ``max_infer_iters``),
-#: then coarser up to the 100 maximum.
-ROUNDS_BUCKETS: tuple[float, ...] = (
-    1.0,
-    2.0,
-    3.0,
-    4.0,
-    5.0,
-    6.0,
-    7.0,
-    8.0,
-    9.0,
-    10.0,
-    12.0,
-    15.0,
-    20.0,
-    25.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    80.0,
-    100.0,
-)
-#: ``loopwarden_upstream_duration_seconds``, ``loopwarden_upstream_ttfb_seconds`` and
-#: ``loopwarden_tool_call_duration_seconds`` (seconds, up to the 600 s default read timeout).
-LATENCY_BUCKETS: tuple[float, ...] = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-)
-
-# --- metrics -----------------------------------------------------------------------------------
-
-MetricType = Literal["counter", "gauge", "histogram"]
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One metric family of DESIGN.md §8.
-
-    `labels` maps each label name to its allowed values, or to ``None`` when the values are
-    operator-defined (``model``: the configured model names and ``other``). `buckets` are the
-    upper bounds of a histogram (``None`` for counters and gauges).
-    """
-
-    name: str
-    type: MetricType
-    documentation: str
-    labels: Mapping[str, tuple[str, ...] | None]
-    buckets: tuple[float, ...] | None = None
-
-
-def _metrics(*specs: MetricSpec) -> Mapping[str, MetricSpec]:
-    return {spec.name: spec for spec in specs}
-
-
-METRICS: Mapping[str, MetricSpec] = _metrics(
-    MetricSpec(
-        "loopwarden_requests_total",
-        "counter",
-        "Client requests answered, by HTTP status and model.",
-        {"status": HTTP_STATUSES, "model": None},
-    ),
-    MetricSpec(
-        "loopwarden_cap_hits_total",
-        "counter",
-        "Requests stopped or cut by a limit, by limit and outcome.",
-        {"limit": CAP_LIMITS, "outcome": CAP_OUTCOMES},
-    ),
-    MetricSpec(
-        "loopwarden_stream_errors_total",
-        "counter",
-        "SSE error frames sent after a stream was committed, by error code.",
-        {"code": STREAM_ERROR_CODES},
-    ),
-    MetricSpec(
-        "loopwarden_upstream_errors_total",
-        "counter",
-        "Failures of the upstream model server, by kind.",
-        {"kind": UPSTREAM_ERROR_KINDS},
-    ),
-    MetricSpec(
-        "loopwarden_client_disconnects_total",
-        "counter",
-        "Requests whose client went away before the answer was complete.",
-        {},
-    ),
-    MetricSpec(
-        "loopwarden_tool_calls_total",
-        "counter",
-        "Gateway-owned tool calls, by outcome.",
-        {"outcome": TOOL_OUTCOMES},
-    ),
-    MetricSpec(
-        "loopwarden_tool_call_duration_seconds",
-        "histogram",
-        "Duration of one gateway-owned tool call, seconds.",
-        {},
-        LATENCY_BUCKETS,
-    ),
-    MetricSpec(
-        "loopwarden_inference_rounds",
-        "histogram",
-        "Inference calls (rounds) made for one client request.",
-        {},
-        ROUNDS_BUCKETS,
-    ),
-    MetricSpec(
-        "loopwarden_retained_bytes_peak",
-        "histogram",
-        "Peak retained bytes charged to one request's ledger.",
-        {},
-        RETAINED_BYTES_BUCKETS,
-    ),
-    MetricSpec(
-        "loopwarden_retained_utilization_ratio",
-        "histogram",
-        "Peak retained bytes of a request divided by its max_retained_bytes limit.",
-        {},
-        UTILIZATION_BUCKETS,
-    ),
-    MetricSpec(
-        "loopwarden_inflight_requests",
-        "gauge",
-        "Requests being served now.",
-        {},
-    ),
-    MetricSpec(
-        "loopwarden_inflight_retained_bytes",
-        "gauge",
-        "Retained bytes charged to all live ledgers (the sum over requests in flight).",
-        {},
-    ),
-    MetricSpec(
-        "loopwarden_upstream_duration_seconds",
-        "histogram",
-        "Duration of one upstream inference call, seconds.",
-        {},
-        LATENCY_BUCKETS,
-    ),
-    MetricSpec(
-        "loopwarden_upstream_ttfb_seconds",
-        "histogram",
-        "Time to the first byte of one upstream inference call's response, seconds.",
-        {},
-        LATENCY_BUCKETS,
-    ),
-)
 
 #: Standard series the dashboards may use beside §8: Prometheus' own ``up`` and the
 #: prometheus-client process collector. Not exported in the client's multiprocess mode.
@@ -621,6 +357,22 @@ _QUERY_LIST: list[Query] = [
     Query(
         "inflight_retained_share",
         f"sum by (instance) ({_sel('loopwarden_inflight_retained_bytes')}) / $worker_memory_bytes",
+        "{{instance}}",
+    ),
+    # capacity: admission
+    Query(
+        "admission_reserved_by_instance",
+        f"sum by (instance) ({_sel('loopwarden_admission_reserved_bytes')})",
+        "{{instance}} reserved",
+    ),
+    Query(
+        "admission_budget_by_instance",
+        f"sum by (instance) ({_sel('loopwarden_admission_budget_bytes')})",
+        "{{instance}} admission pool",
+    ),
+    Query(
+        "memory_pressure_by_instance",
+        f"max by (instance) ({_sel('loopwarden_memory_pressure_ratio')})",
         "{{instance}}",
     ),
 ]

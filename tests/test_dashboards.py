@@ -1,8 +1,9 @@
 """dashboards/: generated files are current, dashboards and alerts keep the metric contract.
 
 A typo'd metric name or label value in a dashboard query makes Prometheus answer with zero
-series, not an error, so every expression is checked against the DESIGN.md §8 contract in
-`dashboards.queries`, and parsed by a real ``promtool`` after the Grafana macros are
+series, not an error, so every expression is checked against the metric contract
+(`middleware.ops.metrics`, re-exported by `dashboards.queries`; tests/test_metrics_contract.py
+holds it to DESIGN.md §8), and parsed by a real ``promtool`` after the Grafana macros are
 substituted. ``promtool`` comes from ``scripts/ensure-prometheus.sh`` (``make test`` runs it);
 without it these tests fail, they do not skip.
 """
@@ -37,7 +38,6 @@ from dashboards.promql import (
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
 GRAFANA = DASHBOARDS / "grafana"
-DESIGN = ROOT.parent / "shared" / "DESIGN.md"
 DASHBOARD_FILES = sorted(GRAFANA.glob("*.json"))
 #: How the app's prometheus-client writes a bucket bound in ``le`` (``4096.0``, ``1.6777216e+07``).
 floatToGoString = cast(Callable[[float], str], prometheus_utils.floatToGoString)
@@ -253,46 +253,6 @@ def test_contract_check_catches_what_prometheus_would_answer_with_nothing(expr: 
 def test_free_form_labels_and_target_labels_pass() -> None:
     assert q.contract_problems('loopwarden_requests_total{model="gpt-4o", job="x", instance="y:1"}') == []
     assert q.contract_problems('loopwarden_retained_bytes_peak_bucket{le="1.6777216e+07"}') == []
-
-
-def test_metric_names_types_and_labels_match_design_section_8() -> None:
-    if not DESIGN.is_file():
-        pytest.skip(f"{DESIGN} not found: put ../shared beside the repo")
-    section = DESIGN.read_text(encoding="utf-8").split("## 8. Metrics")[1].split("\n## ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
-    declared: dict[str, tuple[str, set[str]]] = {}
-    for row in rows:
-        names_cell, type_cell, labels_cell = (cell.strip() for cell in row.strip("|").split("|"))
-        for name in re.findall(r"`(\w+)`", names_cell):
-            declared[name] = (type_cell, set(re.findall(r"`(\w+)`", labels_cell)))
-    assert declared == {name: (spec.type, set(spec.labels)) for name, spec in q.METRICS.items()}
-
-
-def test_label_constants_are_the_design_lists() -> None:
-    if not DESIGN.is_file():
-        pytest.skip(f"{DESIGN} not found: put ../shared beside the repo")
-    section = DESIGN.read_text(encoding="utf-8").split("## 8. Metrics")[1].split("\n## ")[0]
-
-    def listed(metric: str, label: str) -> set[str]:
-        row = next(line for line in section.splitlines() if f"`{metric}`" in line)
-        match = re.search(rf"`{label}` \(([^)]*)\)", row)
-        assert match is not None, (metric, label)
-        return {v.strip() for v in match.group(1).split(",")}
-
-    assert listed("loopwarden_cap_hits_total", "limit") == set(q.CAP_LIMITS)
-    assert listed("loopwarden_cap_hits_total", "outcome") == set(q.CAP_OUTCOMES)
-    assert listed("loopwarden_upstream_errors_total", "kind") == set(q.UPSTREAM_ERROR_KINDS)
-    assert listed("loopwarden_tool_calls_total", "outcome") == set(q.TOOL_OUTCOMES)
-
-    outcomes = DESIGN.read_text(encoding="utf-8").split("## 5.")[1].split("\n## ")[0]
-    after_commit: set[str] = set()
-    for line in outcomes.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and "error frame" in cells[2]:
-            after_commit.update(re.findall(r"`(\w+)`", cells[3]))
-    assert after_commit, "no after-commit codes found in DESIGN.md §5"
-    assert after_commit <= set(q.STREAM_ERROR_CODES)
-    assert set(q.STREAM_ERROR_CODES) - after_commit == {"internal_error"}
 
 
 def test_cap_hit_pairs_use_known_limits_and_outcomes() -> None:

@@ -7,6 +7,16 @@ later ledger charge draws from that reservation, then from the pool, in the same
 (`RequestReservation` is the ledger's `budget.ChargePool`). The pool is per worker process; one
 event loop per process, so plain integers suffice (check-then-commit without awaiting).
 
+Two numbers, two gauges: ``reserved`` (``loopwarden_admission_reserved_bytes``) is what the
+requests in flight hold from the pool (their reservations, grown when a ledger charges past its
+own); ``charged`` (``loopwarden_inflight_retained_bytes``) is what their ledgers have charged now,
+the sum of live ledgers, never more than ``reserved``. A charge or release writes no gauge (one
+integer add keeps ``charged``): in one process a scrape reads both numbers live
+(`Gauge.set_function`); with ``--workers`` > 1 (prometheus-client's multiprocess mode, which reads
+files, not functions) the worker answering the scrape writes its values first
+(`metrics.publish_before_scrape`), and every other worker's are the ones it wrote at its last
+request start or end.
+
 Refusals (the middleware maps them, DESIGN.md §5): a request that does not fit now -> 503
 ``server_overloaded`` with ``Retry-After`` (body not read); one whose reservation exceeds the whole
 pool -> 413 ``process_budget_exceeded``; growth refused mid-request -> `budget.PoolExhausted`.
@@ -76,7 +86,8 @@ class ProcessPool:
             raise ValueError(f"max_inflight_retained_bytes must be >= 1, got {budget_bytes}")
         self.budget = budget_bytes
         self.max_requests = max_requests
-        self.reserved = 0  # budget bytes held by live requests
+        self.reserved = 0  # budget bytes held by live requests (their reservations)
+        self.charged = 0  # budget bytes their ledgers have charged now (the sum of live ledgers)
         self.requests = 0
         self.pressure = pressure
         self.pressure_threshold = pressure_threshold
@@ -84,11 +95,16 @@ class ProcessPool:
         self._pressure_at = -1e9
         self._pressure_value = 0.0
         metrics.ADMISSION_BUDGET.set(budget_bytes)
+        metrics.ADMISSION_RESERVED.set_function(lambda: self.reserved)
+        metrics.INFLIGHT_RETAINED.set_function(lambda: self.charged)
+        metrics.publish_before_scrape(self._publish)
         self._publish()
 
     def _publish(self) -> None:
+        """Write both gauges (at request start and end, and before a scrape; what multiprocess
+        mode exports)."""
         metrics.ADMISSION_RESERVED.set(self.reserved)
-        metrics.INFLIGHT_RETAINED.set(self.reserved)
+        metrics.INFLIGHT_RETAINED.set(self.charged)
 
     def pressure_ratio(self) -> float:
         """The last polled memory-pressure ratio (polled again when stale)."""
@@ -136,13 +152,11 @@ class ProcessPool:
         if self.reserved + nbytes > self.budget:
             return False
         self.reserved += nbytes
-        self._publish()
         return True
 
     def give(self, nbytes: int) -> None:
         """Return ``nbytes`` budget bytes to the pool."""
         self.reserved -= nbytes
-        self._publish()
 
 
 @dataclasses.dataclass(eq=False)
@@ -150,7 +164,10 @@ class RequestReservation:
     """One request's share of the `ProcessPool`, and its ledger's `budget.ChargePool`.
 
     Charges are drawn from the initial reservation first, then from the pool; released charges
-    return to the pool beyond the initial reservation, which is held until `close`.
+    return to the pool beyond the initial reservation, which is held until `close`. ``charged``
+    is the ledger's charged total (``held`` is at least that); the pool's ``charged`` is the sum
+    over live reservations. The ledger releases before `close` (the guard's ``release_all``);
+    whatever it still has charged then leaves the pool's sum at `close`.
     """
 
     pool: ProcessPool
@@ -170,11 +187,13 @@ class RequestReservation:
                 return False
             self.held += need
         self.charged += nbytes
+        self.pool.charged += nbytes
         return True
 
     def give_back(self, nbytes: int) -> None:
         """Release ``nbytes``; what exceeds the initial reservation goes back to the pool."""
         self.charged -= nbytes
+        self.pool.charged -= nbytes
         excess = self.held - max(self.initial, self.charged)
         if excess > 0:
             self.held -= excess
@@ -186,8 +205,10 @@ class RequestReservation:
             return
         self.closed = True
         self.pool.give(self.held)
+        self.pool.charged -= self.charged
         self.pool.requests -= 1
         self.held = 0
+        self.charged = 0
         self.pool._publish()
 
 

@@ -1,12 +1,31 @@
-"""Prometheus metrics (DESIGN.md §8): module-level singletons, base units, bounded labels only.
+"""The metric contract of DESIGN.md §8, and the app's Prometheus metrics defined from it.
 
-Labels never carry ids, user strings, tool names or error messages; the ``model`` label is one of
-the configured model names or ``other`` (see `model_label`).
+This module is the one definition of every ``loopwarden_*`` metric:
+
+* `METRICS`: each metric's name, type, help text and label names, with the allowed values of each
+  label (`CAP_LIMITS`, `CAP_OUTCOMES`, `HTTP_STATUSES`, `STREAM_ERROR_CODES`, ...);
+* the histogram bucket bounds (`RETAINED_BYTES_BUCKETS`, `UTILIZATION_BUCKETS`, `ROUNDS_BUCKETS`,
+  `LATENCY_BUCKETS`): a dashboard query that picks one bucket (``le``) is only right if the app
+  uses exactly these;
+* `CAP_HIT_PAIRS`, the (limit, outcome) label sets pre-initialised at import;
+* the module-level singletons (`REQUESTS`, `CAP_HITS`, ...), each created from its `METRICS` entry.
+
+``dashboards.queries`` imports the contract from here (dashboards import middleware, never the
+reverse), so a dashboard, an alert and the app cannot disagree about a name, a label value or a
+bucket bound.
+
+Base units, bounded labels only: labels never carry ids, user strings, tool names or error
+messages. The ``model`` label is one of the configured model names or `OTHER_MODEL` (the request
+intake picks it once it has read the body's ``model``: ``middleware.asgi.intake.Intake.model_label``);
+an error code becomes the ``code`` label through `stream_error_label`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import (
     REGISTRY,
@@ -18,71 +37,161 @@ from prometheus_client import (
     multiprocess,
 )
 
-REQUESTS = Counter(
-    "loopwarden_requests_total",
-    "Client requests answered, by HTTP status and model.",
-    ["status", "model"],
-)
-CLIENT_DISCONNECTS = Counter(
-    "loopwarden_client_disconnects_total",
-    "Requests whose client went away before the answer was complete.",
-)
-UPSTREAM_ERRORS = Counter(
-    "loopwarden_upstream_errors_total",
-    "Failures of the upstream model server, by kind.",
-    ["kind"],
-)
-STREAM_ERRORS = Counter(
-    "loopwarden_stream_errors_total",
-    "SSE error frames sent after a stream was committed, by error code.",
-    ["code"],
-)
-INFLIGHT = Gauge("loopwarden_inflight_requests", "Requests being served now.", multiprocess_mode="livesum")
+KiB = 1024
 
+# --- label values (DESIGN.md §8) ---------------------------------------------------------------
 
-# Codes the gateway itself sends after commit (DESIGN.md §5); an upstream's own code is folded
-# into "upstream_error" so the label set stays bounded.
-STREAM_ERROR_CODES = frozenset(
-    {
-        "max_retained_bytes_exceeded",
-        "max_infer_iters_exceeded",
-        "upstream_timeout",
-        "request_deadline_exceeded",
-        "upstream_incomplete",
-        "upstream_invalid_response",
-        "upstream_auth_failed",
-        "upstream_error",
-        "server_shutting_down",
-        "internal_error",
-    }
+#: ``loopwarden_cap_hits_total{limit}``: which limit stopped or cut the request.
+CAP_LIMITS: tuple[str, ...] = (
+    "max_retained_bytes",
+    "request_body",
+    "upstream_body",
+    "max_infer_iters",
+    "max_tool_calls",
+    "tool_timeout",
+    "client_body_timeout",
+    "request_deadline",
+    "admission",
 )
-
-
-def stream_error_label(code: str) -> str:
-    """The bounded ``code`` label of ``loopwarden_stream_errors_total`` for an error code."""
-    return code if code in STREAM_ERROR_CODES else "upstream_error"
-
-
-CAP_HITS = Counter(
-    "loopwarden_cap_hits_total",
-    "Requests stopped or cut by a limit, by limit and outcome.",
-    ["limit", "outcome"],
+#: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
+CAP_OUTCOMES: tuple[str, ...] = (
+    "400",
+    "408",
+    "413",
+    "502",
+    "503",
+    "504",
+    "508",
+    "sse_error",
+    "incomplete",
+    "tool_error",
 )
-# Powers of two from 4 KiB to 256 MiB (bytes).
-RETAINED_BYTES_BUCKETS = tuple(float(4096 * 2**i) for i in range(17))
-RETAINED_PEAK = Histogram(
-    "loopwarden_retained_bytes_peak",
-    "Peak retained bytes charged to one request's ledger.",
-    buckets=RETAINED_BYTES_BUCKETS,
+#: The (limit, outcome) pairs pre-initialised at import, so dashboards show 0 instead of "No
+#: data" and the live check sees a series for every cap-hit query: the cap-hit rows of DESIGN.md
+#: §5, and the two the loop and the tools count (max_tool_calls, tool_timeout). A pair the
+#: outcome table (``middleware.outcomes``) produces beyond these (e.g. ``admission`` with ``502``
+#: when the pool refuses a later charge) appears on its first hit.
+CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
+    ("max_retained_bytes", "413"),  # initial payload or restored history
+    ("max_retained_bytes", "502"),  # later overflow, before commit
+    ("max_retained_bytes", "sse_error"),  # later overflow, after commit
+    ("request_body", "413"),  # raw body over limit // 32
+    ("upstream_body", "502"),  # buffered upstream Content-Length over limit // 8
+    ("max_infer_iters", "508"),
+    ("max_infer_iters", "sse_error"),
+    ("max_tool_calls", "incomplete"),  # the request's own max_tool_calls: the client's choice
+    ("tool_timeout", "tool_error"),  # fed back to the model as an error output
+    ("client_body_timeout", "408"),
+    ("request_deadline", "504"),
+    ("request_deadline", "sse_error"),
+    ("admission", "503"),  # process pool full
+    ("admission", "413"),  # one reservation larger than the whole pool
 )
-UTILIZATION_BUCKETS = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
-RETAINED_UTILIZATION = Histogram(
-    "loopwarden_retained_utilization_ratio",
-    "Peak retained bytes of a request divided by its max_retained_bytes limit.",
-    buckets=UTILIZATION_BUCKETS,
+#: ``loopwarden_upstream_errors_total{kind}``.
+UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
+    "connect",
+    "timeout",
+    "eof",
+    "protocol",
+    "decode",
+    "status_4xx",
+    "status_5xx",
+    "stream_error",
 )
-# Seconds, up to the 600 s read timeout; rounds 1..100 (the max_infer_iters range).
-LATENCY_BUCKETS = (
+#: ``loopwarden_tool_calls_total{outcome}``.
+TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
+#: ``loopwarden_stream_errors_total{code}``: the codes the gateway itself can send after commit,
+#: i.e. ``middleware.outcomes.stream_error_codes()`` (its rows that can happen after commit).
+#: Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded strings and are
+#: folded into ``upstream_error`` (`stream_error_label`). Spelled out here rather than derived from
+#: the outcome table: ``middleware.outcomes`` imports this module to count, and the dashboards
+#: must read the contract without importing the request path; tests/test_metrics_contract.py
+#: asserts the two are equal and cover DESIGN.md §5's after-commit codes.
+STREAM_ERROR_CODES: tuple[str, ...] = (
+    "max_retained_bytes_exceeded",
+    "upstream_response_too_large",
+    "max_infer_iters_exceeded",
+    "upstream_timeout",
+    "request_deadline_exceeded",
+    "upstream_incomplete",
+    "upstream_invalid_response",
+    "upstream_auth_failed",
+    "upstream_error",
+    "upstream_unavailable",
+    "process_budget_exceeded",
+    "server_shutting_down",
+    "mcp_server_unavailable",
+    "store_unavailable",
+    "internal_error",
+)
+#: ``loopwarden_requests_total{status}``: the statuses DESIGN.md §5 answers with, plus 404/405
+#: from routing, 500 (a bug: no client input may cause it) and 499 (client went away before a
+#: status was sent, the nginx convention).
+HTTP_STATUSES: tuple[str, ...] = (
+    "200",
+    "400",
+    "401",
+    "403",
+    "404",
+    "405",
+    "408",
+    "409",
+    "413",
+    "422",
+    "429",
+    "499",
+    "500",
+    "502",
+    "503",
+    "504",
+    "508",
+)
+#: ``loopwarden_requests_total{model}`` holds the names configured under ``models:`` (not known
+#: here) and this value for every other model.
+OTHER_MODEL = "other"
+
+# --- histogram buckets -------------------------------------------------------------------------
+
+#: ``loopwarden_retained_bytes_peak``: powers of two from 4 KiB to 256 MiB, i.e. the whole
+#: ``max_retained_bytes`` range (4096..=268435456), so every candidate limit that is a power of
+#: two is a bucket bound. A peak never exceeds its limit, so +Inf holds nothing above 256 MiB.
+RETAINED_BYTES_BUCKETS: tuple[float, ...] = tuple(float(4 * KiB * 2**i) for i in range(17))
+#: ``loopwarden_retained_utilization_ratio`` (peak / limit, in 0..=1; a peak equal to the
+#: limit is admitted and lands in the 1.0 bucket).
+UTILIZATION_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.6,
+    0.7,
+    0.8,
+    0.9,
+    0.95,
+    0.99,
+    1.0,
+)
+#: ``loopwarden_inference_rounds``: every integer up to 10 (the default ``max_infer_iters``),
+#: then coarser up to the 100 maximum.
+ROUNDS_BUCKETS: tuple[float, ...] = (
+    *(float(i) for i in range(1, 11)),
+    12.0,
+    15.0,
+    20.0,
+    25.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    80.0,
+    100.0,
+)
+#: ``loopwarden_upstream_duration_seconds``, ``loopwarden_upstream_ttfb_seconds`` and
+#: ``loopwarden_tool_call_duration_seconds`` (seconds, up to the 600 s default read timeout).
+LATENCY_BUCKETS: tuple[float, ...] = (
     0.005,
     0.01,
     0.025,
@@ -101,94 +210,188 @@ LATENCY_BUCKETS = (
     300.0,
     600.0,
 )
-ROUNDS_BUCKETS = (
-    *(float(i) for i in range(1, 11)),
-    12.0,
-    15.0,
-    20.0,
-    25.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    80.0,
-    100.0,
-)
-TOOL_CALLS = Counter(
-    "loopwarden_tool_calls_total",
-    "Gateway-owned tool calls, by outcome (ok, error, timeout, refused, invalid_arguments, too_large).",
-    ["outcome"],
-)
-TOOL_DURATION = Histogram(
-    "loopwarden_tool_call_duration_seconds",
-    "Wall time of one gateway-owned tool call (seconds).",
-    buckets=LATENCY_BUCKETS,
-)
-INFERENCE_ROUNDS = Histogram(
-    "loopwarden_inference_rounds",
-    "Inference calls (rounds) one client request made.",
-    buckets=ROUNDS_BUCKETS,
-)
-INFLIGHT_RETAINED = Gauge(
-    "loopwarden_inflight_retained_bytes",
-    "Budget bytes charged by every request being served now (the sum of live ledgers).",
-    multiprocess_mode="livesum",
-)
-UPSTREAM_DURATION = Histogram(
-    "loopwarden_upstream_duration_seconds",
-    "Wall time of one upstream inference call, request sent to body closed (seconds).",
-    buckets=LATENCY_BUCKETS,
-)
-UPSTREAM_TTFB = Histogram(
-    "loopwarden_upstream_ttfb_seconds",
-    "Time from sending an upstream request to its first body byte (seconds).",
-    buckets=LATENCY_BUCKETS,
+
+# --- metrics -----------------------------------------------------------------------------------
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family of the contract (DESIGN.md §8).
+
+    `documentation` is the help text the app exposes. `labels` maps each label name to its
+    allowed values, or to ``None`` when the values are operator-defined (``model``: the
+    configured model names and `OTHER_MODEL`). `buckets` are the upper bounds of a histogram
+    (``None`` for counters and gauges).
+    """
+
+    name: str
+    type: MetricType
+    documentation: str
+    labels: Mapping[str, tuple[str, ...] | None]
+    buckets: tuple[float, ...] | None = None
+
+
+def _metrics(*specs: MetricSpec) -> Mapping[str, MetricSpec]:
+    return {spec.name: spec for spec in specs}
+
+
+METRICS: Mapping[str, MetricSpec] = _metrics(
+    MetricSpec(
+        "loopwarden_requests_total",
+        "counter",
+        "Client requests answered, by HTTP status and model.",
+        {"status": HTTP_STATUSES, "model": None},
+    ),
+    MetricSpec(
+        "loopwarden_cap_hits_total",
+        "counter",
+        "Requests stopped or cut by a limit, by limit and outcome.",
+        {"limit": CAP_LIMITS, "outcome": CAP_OUTCOMES},
+    ),
+    MetricSpec(
+        "loopwarden_stream_errors_total",
+        "counter",
+        "SSE error frames sent after a stream was committed, by error code.",
+        {"code": STREAM_ERROR_CODES},
+    ),
+    MetricSpec(
+        "loopwarden_upstream_errors_total",
+        "counter",
+        "Failures of the upstream model server, by kind.",
+        {"kind": UPSTREAM_ERROR_KINDS},
+    ),
+    MetricSpec(
+        "loopwarden_client_disconnects_total",
+        "counter",
+        "Requests whose client went away before the answer was complete.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_tool_calls_total",
+        "counter",
+        "Gateway-owned tool calls, by outcome (ok, error, timeout, refused, invalid_arguments, too_large).",
+        {"outcome": TOOL_OUTCOMES},
+    ),
+    MetricSpec(
+        "loopwarden_tool_call_duration_seconds",
+        "histogram",
+        "Wall time of one gateway-owned tool call (seconds).",
+        {},
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_inference_rounds",
+        "histogram",
+        "Inference calls (rounds) one client request made.",
+        {},
+        ROUNDS_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_retained_bytes_peak",
+        "histogram",
+        "Peak retained bytes charged to one request's ledger.",
+        {},
+        RETAINED_BYTES_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_retained_utilization_ratio",
+        "histogram",
+        "Peak retained bytes of a request divided by its max_retained_bytes limit.",
+        {},
+        UTILIZATION_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_inflight_requests",
+        "gauge",
+        "Requests being served now.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_inflight_retained_bytes",
+        "gauge",
+        "Budget bytes charged by every request being served now (the sum of live ledgers).",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_upstream_duration_seconds",
+        "histogram",
+        "Wall time of one upstream inference call, request sent to body closed (seconds).",
+        {},
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_upstream_ttfb_seconds",
+        "histogram",
+        "Time from sending an upstream request to its first body byte (seconds).",
+        {},
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "loopwarden_admission_reserved_bytes",
+        "gauge",
+        "Budget bytes reserved by requests in flight from this worker's admission pool.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_admission_budget_bytes",
+        "gauge",
+        "The worker's admission pool (--max-inflight-retained-bytes).",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_memory_pressure_ratio",
+        "gauge",
+        "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
+        {},
+    ),
 )
 
-ADMISSION_RESERVED = Gauge(
-    "loopwarden_admission_reserved_bytes",
-    "Budget bytes reserved by requests in flight from this worker's admission pool.",
-    multiprocess_mode="livesum",
-)
-ADMISSION_BUDGET = Gauge(
-    "loopwarden_admission_budget_bytes",
-    "The worker's admission pool (--max-inflight-retained-bytes).",
-    multiprocess_mode="livesum",
-)
-MEMORY_PRESSURE = Gauge(
-    "loopwarden_memory_pressure_ratio",
-    "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
-    multiprocess_mode="livemax",
-)
 
-# (limit, outcome) pairs DESIGN.md §5 can produce; pre-initialised so dashboards show 0, not "No data".
-CAP_HIT_PAIRS = (
-    ("max_retained_bytes", "413"),
-    ("max_retained_bytes", "502"),
-    ("max_retained_bytes", "sse_error"),
-    ("request_body", "413"),
-    ("upstream_body", "502"),
-    ("max_infer_iters", "508"),
-    ("max_infer_iters", "sse_error"),
-    ("max_tool_calls", "incomplete"),
-    ("tool_timeout", "tool_error"),
-    ("client_body_timeout", "408"),
-    ("request_deadline", "504"),
-    ("request_deadline", "sse_error"),
-    ("admission", "503"),
-    ("admission", "413"),
-)
-UPSTREAM_ERROR_KINDS = (
-    "connect",
-    "timeout",
-    "eof",
-    "protocol",
-    "decode",
-    "status_4xx",
-    "status_5xx",
-    "stream_error",
-)
-TOOL_OUTCOMES = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
+def _counter(name: str) -> Counter:
+    spec = METRICS[name]
+    assert spec.type == "counter", name
+    return Counter(spec.name, spec.documentation, list(spec.labels))
+
+
+def _gauge(name: str, multiprocess_mode: Literal["livesum", "livemax"]) -> Gauge:
+    """A gauge; `multiprocess_mode` says how ``--workers`` > 1 aggregates it over live workers."""
+    spec = METRICS[name]
+    assert spec.type == "gauge" and not spec.labels, name
+    return Gauge(spec.name, spec.documentation, multiprocess_mode=multiprocess_mode)
+
+
+def _histogram(name: str) -> Histogram:
+    spec = METRICS[name]
+    assert spec.type == "histogram" and spec.buckets is not None and not spec.labels, name
+    return Histogram(spec.name, spec.documentation, buckets=spec.buckets)
+
+
+REQUESTS = _counter("loopwarden_requests_total")
+CAP_HITS = _counter("loopwarden_cap_hits_total")
+STREAM_ERRORS = _counter("loopwarden_stream_errors_total")
+UPSTREAM_ERRORS = _counter("loopwarden_upstream_errors_total")
+CLIENT_DISCONNECTS = _counter("loopwarden_client_disconnects_total")
+TOOL_CALLS = _counter("loopwarden_tool_calls_total")
+TOOL_DURATION = _histogram("loopwarden_tool_call_duration_seconds")
+INFERENCE_ROUNDS = _histogram("loopwarden_inference_rounds")
+RETAINED_PEAK = _histogram("loopwarden_retained_bytes_peak")
+RETAINED_UTILIZATION = _histogram("loopwarden_retained_utilization_ratio")
+INFLIGHT = _gauge("loopwarden_inflight_requests", "livesum")
+INFLIGHT_RETAINED = _gauge("loopwarden_inflight_retained_bytes", "livesum")
+UPSTREAM_DURATION = _histogram("loopwarden_upstream_duration_seconds")
+UPSTREAM_TTFB = _histogram("loopwarden_upstream_ttfb_seconds")
+ADMISSION_RESERVED = _gauge("loopwarden_admission_reserved_bytes", "livesum")
+ADMISSION_BUDGET = _gauge("loopwarden_admission_budget_bytes", "livesum")
+MEMORY_PRESSURE = _gauge("loopwarden_memory_pressure_ratio", "livemax")
+
+_STREAM_ERROR_CODES = frozenset(STREAM_ERROR_CODES)
+
+
+def stream_error_label(code: str) -> str:
+    """The bounded ``code`` label of ``loopwarden_stream_errors_total`` for an error code."""
+    return code if code in _STREAM_ERROR_CODES else "upstream_error"
 
 
 def _preinitialise() -> None:
@@ -205,10 +408,24 @@ def _preinitialise() -> None:
 _preinitialise()
 
 
+_before_scrape: Callable[[], None] | None = None
+
+
+def publish_before_scrape(publish: Callable[[], None]) -> None:
+    """Have `exposition` call `publish` first, so gauges that are not written on every change
+    (the admission pool's) are current in this process's files. One callback: a later call
+    replaces it."""
+    global _before_scrape
+    _before_scrape = publish
+
+
 def exposition() -> bytes:
     """The Prometheus text page: this process's registry, or — with ``--workers`` > 1, when
     ``PROMETHEUS_MULTIPROC_DIR`` is set — every worker's metrics aggregated (counters summed,
-    in-flight gauges summed over live workers)."""
+    in-flight gauges summed over live workers; a worker other than the one answering the scrape
+    contributes the admission gauges as of its last request start or end)."""
+    if _before_scrape is not None:
+        _before_scrape()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
