@@ -24,7 +24,7 @@ from typing import Any, Final
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
-from middleware.tools.catalog import McpServerConfig, ToolCatalog
+from middleware.tools import McpServerConfig, ToolCatalog
 
 __all__ = ["DEMO_LABEL", "calculate", "create_demo_server", "demo_catalog", "evaluate"]
 

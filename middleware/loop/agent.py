@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from budget import ChargeModel, count_json_nodes
 from middleware.errors import InvalidRequest, LoopLimitReached
+from middleware.ids import new_id
 from middleware.loop.approvals import approval_id, check_call_pairs, pending_approvals
 from middleware.loop.context import RequestContext
 from middleware.loop.decision import (
@@ -43,7 +44,6 @@ from middleware.loop.items import (
     as_input_items,
     epoch_seconds,
     mcp_call_item,
-    new_id,
     public_tools,
     sum_usage,
 )
@@ -52,7 +52,7 @@ from middleware.ops import metrics
 from middleware.state import GatewayState
 from middleware.store.history import Restored, restore_history
 from middleware.store.store import RESPONSE_STATUSES, StoredResponse
-from middleware.tools.catalog import ResolvedTools, ToolOutcome, run_tool_calls
+from middleware.tools import ResolvedTools, ToolOutcome, refuse_tool_call, run_tool_calls
 from middleware.upstream.errors import UpstreamInvalid, read_limited, status_failure, stream_error_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
@@ -189,11 +189,7 @@ class AgentLoop:
                 text = outcome.output
             else:
                 reason = answer.get("reason")
-                text = (
-                    "<the user denied this tool call"
-                    + (f": {reason}" if isinstance(reason, str) and reason else "")
-                    + ">"
-                )
+                text = refuse_tool_call(call, reason if isinstance(reason, str) else None).output
             self.replay.append(
                 {"type": "function_call_output", "call_id": call.get("call_id"), "output": text}
             )

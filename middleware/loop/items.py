@@ -1,6 +1,6 @@
 """Pure builders of the client-visible pieces of a response (no I/O, no state).
 
-`new_id` (fresh opaque ids), `sum_usage` (usage over rounds), `as_input_items`, `public_tools`
+`sum_usage` (usage over rounds), `as_input_items`, `public_tools`
 (MCP secrets echoed as null), `call_arguments`, `mcp_call_item`, `approval_request_item`,
 `terminal_event` / `TERMINAL_STATUS` (the terminal event of a status and back), and
 `synthesized_events` (the SSE events of a complete response object, for a server that answered
@@ -9,11 +9,11 @@ a streamed call buffered).
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
-from middleware.tools.execute import ToolOutcome
+from middleware.store.store import SECRET_TOOL_FIELDS
+from middleware.tools import ToolOutcome
 
 #: Terminal event type -> the response status it ends with (DESIGN.md §6: the event decides).
 TERMINAL_STATUS = {
@@ -29,11 +29,6 @@ def terminal_event(status: object) -> str:
     return {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
         str(status), "response.completed"
     )
-
-
-def new_id(prefix: str) -> str:
-    """A fresh opaque id such as ``resp_<32 hex>``."""
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 def sum_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None:
@@ -67,9 +62,6 @@ def as_input_items(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, list):
         return [item for item in value if isinstance(item, dict)]
     return []
-
-
-SECRET_TOOL_FIELDS = ("headers", "authorization")
 
 
 def public_tools(tools: Any) -> list[Any]:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from middleware.asgi.client_stream import ClientStream
-from middleware.loop.items import call_arguments, new_id, public_tools, terminal_event
-from middleware.tools.catalog import ResolvedTools
+from middleware.ids import new_id
+from middleware.loop.items import call_arguments, public_tools, terminal_event
+from middleware.tools import ResolvedTools
 from middleware.upstream.reader import TERMINAL_EVENTS, UpstreamEvent
 
 LIFECYCLE = frozenset({"response.created", "response.in_progress", "response.queued"})

@@ -37,7 +37,7 @@ class UpstreamError(Failure):
 
     kind = "protocol"
     row = "upstream_invalid"
-    code = "upstream_invalid_response"
+    code: str | None = "upstream_invalid_response"
 
 
 class UpstreamTimeout(UpstreamError):
