@@ -205,18 +205,6 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-def _legacy_row(exc: Any) -> Row:
-    # transitional: a GatewayError that still names its status (removed with GatewayError)
-    return Row(
-        "legacy", exc.status, exc.code, cap=exc.limit, deterministic=not exc.retryable,
-        close=exc.close_connection, retry_after=exc.retry_after is not None,
-    )  # fmt: skip
-
-
-def _row(key: str, exc: BaseException) -> Row:
-    return _legacy_row(exc) if key == "legacy" else OUTCOMES[key]
-
-
 def row_of(exc: BaseException) -> str:
     """The `OUTCOMES` key of an exception (see the module docstring)."""
     if isinstance(exc, ShuttingDown):
@@ -250,7 +238,7 @@ def resolve(exc: BaseException, *, committed: bool = False, note: str = "") -> O
     ``note``: a sentence appended to the message (e.g. that the request lowered the limit itself).
     """
     key = row_of(exc)
-    row = _row(key, exc)
+    row = OUTCOMES[key]
     status = row.status
     code = row.code
     param: str | None = None
@@ -297,7 +285,7 @@ def resolve(exc: BaseException, *, committed: bool = False, note: str = "") -> O
 def retryable(outcome: Outcome) -> bool:
     """Whether a retry can help: not for deterministic rows, nor for passed-through upstream
     4xx other than 409 / 429."""
-    row = _row(outcome.row, outcome.error) if outcome.error is not None else OUTCOMES[outcome.row]
+    row = OUTCOMES[outcome.row]
     if row.deterministic:
         return False
     if outcome.row == "upstream_4xx":
@@ -322,7 +310,7 @@ def render_json(
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The answer before commit: ``(status, headers, body)``, the body the envelope as compact
     JSON. ``retry_after``: seconds for a ``Retry-After`` header, on the rows that send one."""
-    row = _row(outcome.row, outcome.error) if outcome.error is not None else OUTCOMES[outcome.row]
+    row = OUTCOMES[outcome.row]
     body = json.dumps(envelope(outcome), separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if not retryable(outcome):
@@ -399,7 +387,7 @@ def record(outcome: Outcome, *, owner: str = "", limit: int | None = None) -> No
     ``owner``: the caller's hash (its first 12 characters are logged); ``limit``: the limit in
     force for the row (bytes or calls), logged with the failure's numbers.
     """
-    row = _row(outcome.row, outcome.error) if outcome.error is not None else OUTCOMES[outcome.row]
+    row = OUTCOMES[outcome.row]
     if outcome.cap is not None:
         metrics.CAP_HITS.labels(limit=outcome.cap, outcome=outcome.cap_outcome).inc()
     if outcome.committed:

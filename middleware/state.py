@@ -6,7 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from middleware.config import Settings
-from middleware.upstream.httpx_client import UpstreamClient
+from middleware.upstream.protocol import UpstreamClient
 
 if TYPE_CHECKING:
     from middleware.ops.admission import ProcessPool

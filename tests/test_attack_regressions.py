@@ -174,16 +174,26 @@ def test_upstream_protocol_violations_are_502_and_odd_values_do_not_break_storin
         fc_reply(no_id),
         fc_reply(FC("call_1", "lookup", "{}"), FC("call_1", "lookup", "{}")),
         Reply.json(
-            {**response_obj([message_item("ok")]), "created_at": "soon", "usage": {"input_tokens": 1e300}}
+            {
+                **response_obj([message_item("ok")]),
+                "created_at": "soon",
+                "usage": {"input_tokens": 1, "cost": 1e300},
+            }
         ),
+        Reply.json({**response_obj([message_item("ok")]), "usage": {"input_tokens": 1e300}}),
     )
     with loop(upstream, mcp_url) as (url, _):
         missing = post(url, {"model": "m", "input": "x", "tools": [TOOLS]})
         duplicate = post(url, {"model": "m", "input": "x", "tools": [TOOLS]})
         odd = post(url, {"model": "m", "input": "x"})
+        float_tokens = post(url, {"model": "m", "input": "x"})
     assert missing.status_code == 502 and missing.json()["error"]["code"] == "upstream_invalid_response"
     assert duplicate.status_code == 502 and "duplicate call_id" in duplicate.json()["error"]["message"]
-    assert odd.status_code == 200
+    assert odd.status_code == 200  # an odd created_at is re-stamped; a provider's float "cost" is passed on
+    assert odd.json()["usage"]["cost"] == 1e300
+    # a token count that is not an integer is a wrong type (it is summed over rounds)
+    assert float_tokens.status_code == 502, float_tokens.text
+    assert "usage.input_tokens" in float_tokens.json()["error"]["message"]
     assert LOG.calls == []
 
 

@@ -24,9 +24,7 @@ import pytest
 from middleware.app import default_upstream
 from middleware.config import ConfigError, Settings, load_settings
 from middleware.ops.request_id import REQUEST_ID
-from middleware.upstream.aiohttp_client import AiohttpUpstream
-from middleware.upstream.httpx_client import (
-    HttpxUpstream,
+from middleware.upstream import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamDecodeError,
@@ -35,6 +33,8 @@ from middleware.upstream.httpx_client import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from middleware.upstream.aiohttp_client import AiohttpUpstream
+from middleware.upstream.httpx_client import HttpxUpstream
 from tests.helpers import DONE, PRE, MetricDelta, message_item
 from tests.mock_upstream import RST, MockUpstream, Reply
 

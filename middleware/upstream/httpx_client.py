@@ -162,10 +162,3 @@ class HttpxUpstream:
 
     async def aclose(self) -> None:
         await self._client.aclose()
-
-
-# transitional re-exports (callers move to middleware.upstream.errors / .protocol)
-from middleware.upstream.errors import (  # noqa: E402,F401
-    status_failure as upstream_status_error,
-)
-from middleware.upstream.protocol import UpstreamClient as UpstreamClient  # noqa: E402

@@ -57,9 +57,19 @@ def _reject_constant(name: str) -> Any:
     raise UpstreamInvalid(f"upstream JSON holds {name}, which JSON cannot carry")
 
 
-def loads_upstream(data: bytes | str) -> Any:
-    """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` raise `UpstreamInvalid`."""
-    return json.loads(data, parse_constant=_reject_constant)
+def loads_upstream(data: bytes) -> Any:
+    """``json.loads`` for upstream bytes that refuses what the gateway could not re-encode:
+    ``NaN`` / ``Infinity`` and lone surrogates (``"\\ud800"``) raise `UpstreamInvalid`. The
+    surrogate check runs only on data that holds a ``\\u`` escape of one (rare: UTF-8 needs none)."""
+    obj = json.loads(data, parse_constant=_reject_constant)
+    if b"\\ud" in data or b"\\uD" in data:  # a surrogate escape: is every one paired?
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise UpstreamInvalid(
+                "upstream JSON holds a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry"
+            ) from None
+    return obj
 
 
 async def read_stream_events(
@@ -228,6 +238,65 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
     return UpstreamEvent(kind, data, obj)
 
 
+_RESPONSE_TEXT_FIELDS = ("id", "status", "object", "model", "previous_response_id")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def check_item(item: Any, where: str) -> None:
+    """Refuse an output item whose fields the gateway reads have the wrong type: ``type`` must
+    be a string; a ``function_call``'s ``call_id`` and ``name`` strings and its ``arguments`` a
+    string or null (DESIGN.md §5: 502 ``upstream_invalid_response``). Raises `UpstreamInvalid`."""
+    if not isinstance(item, dict):
+        raise UpstreamInvalid(f"upstream {where} is {_type_name(item)}, not an object")
+    if not isinstance(item.get("type"), str):
+        raise UpstreamInvalid(f"upstream {where}.type is {_type_name(item.get('type'))}, not a string")
+    if item["type"] == "function_call":
+        for field in ("call_id", "name"):
+            if not isinstance(item.get(field), str):
+                raise UpstreamInvalid(
+                    f"upstream {where}.{field} is {_type_name(item.get(field))}, not a string"
+                )
+        if not isinstance(item.get("arguments"), str | None):
+            raise UpstreamInvalid(
+                f"upstream {where}.arguments is {_type_name(item['arguments'])}, not a string"
+            )
+
+
+def check_response(response: dict[str, Any]) -> None:
+    """Refuse a response object whose fields the gateway reads or re-encodes have the wrong
+    type: ``id``, ``status``, ``object``, ``model`` strings (or absent / null), ``output`` a list
+    of valid items (`check_item`), ``usage`` an object whose ``*_tokens`` are integers and
+    ``*_details`` objects, and
+    ``incomplete_details`` an object or null. Raises `UpstreamInvalid` naming the field."""
+    for field in _RESPONSE_TEXT_FIELDS:
+        value = response.get(field)
+        if value is not None and not isinstance(value, str):
+            raise UpstreamInvalid(f"upstream response.{field} is {_type_name(value)}, not a string")
+    output = response.get("output")
+    if output is not None:
+        if not isinstance(output, list):
+            raise UpstreamInvalid(f"upstream response.output is {_type_name(output)}, not a list")
+        for index, item in enumerate(output):
+            check_item(item, f"response.output[{index}]")
+    usage = response.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            raise UpstreamInvalid(f"upstream response.usage is {_type_name(usage)}, not an object")
+        for key, value in usage.items():
+            # token counts are summed over rounds: integers; anything else (e.g. a provider's
+            # float "cost") is passed on as the first round sent it
+            if key.endswith("_tokens") and (isinstance(value, bool) or not isinstance(value, int | None)):
+                raise UpstreamInvalid(f"upstream response.usage.{key} is {_type_name(value)}, not an integer")
+            if key.endswith("_details") and not isinstance(value, dict | None):
+                raise UpstreamInvalid(f"upstream response.usage.{key} is {_type_name(value)}, not an object")
+    details = response.get("incomplete_details")
+    if details is not None and not isinstance(details, dict):
+        raise UpstreamInvalid(f"upstream response.incomplete_details is {_type_name(details)}, not an object")
+
+
 class StreamAccumulator:
     """What one streamed round keeps, charged to the ledger (DESIGN.md §4 "streaming" rows).
 
@@ -261,6 +330,7 @@ class StreamAccumulator:
             and isinstance(index, int)
         ):
             item = obj["item"]
+            check_item(item, "output_item.done item")
             if item.get("type") == "function_call" and not item.get("arguments") and self._deltas.get(index):
                 # arguments were streamed as deltas and the done event left them out (case B07 a)
                 item = obj["item"] = {**item, "arguments": "".join(self._deltas[index])}
@@ -272,6 +342,7 @@ class StreamAccumulator:
             self._item_charges[index] = charge
             self.items[index] = obj["item"]
         elif kind in TERMINAL_EVENTS and isinstance(obj.get("response"), dict):
+            check_response(obj["response"])
             self._terminal_charge = self.ledger.admit_accumulated(event.data)
             self.terminal = obj["response"]
             self.terminal_type = kind
@@ -377,6 +448,7 @@ async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> Re
         raise UpstreamInvalid("upstream answered with a body that is not JSON") from None
     if not isinstance(parsed, dict):
         raise UpstreamInvalid("upstream answered with JSON that is not a response object")
+    check_response(parsed)
     output = parsed.get("output")
     items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
     kept = ledger.admit_accumulated(json.dumps(items, separators=(",", ":")).encode())
