@@ -72,11 +72,19 @@ async def route_error_response(request: Request, exc: Exception) -> Response:
     """Unknown paths (404 ``unknown_url``) and wrong methods (405 with ``Allow``)."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        allow = (exc.headers or {}).get("allow", "")
+        allow = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
         return failure_response(
             MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow)
         )
     return failure_response(UnknownRoute(f"no route {request.url.path}"))
+
+
+async def not_served(request: Request) -> Response:
+    """A path of the Responses API this gateway does not serve yet (``/v1/responses/compact``):
+    404 ``unknown_url`` for every method, not the 405 the ``/v1/responses/{id}`` route would give."""
+    return failure_response(
+        UnknownRoute(f"no route {request.url.path}: this gateway does not offer it yet (see the README)")
+    )
 
 
 async def passthrough_models(upstream: UpstreamClient) -> Response:
@@ -254,6 +262,7 @@ def create_app(
 
     routes: list[Any] = [
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/compact", not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         *store_routes(get_store, owner_of),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

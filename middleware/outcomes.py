@@ -57,7 +57,7 @@ class Row:
     close`` (the body was not read). ``retry_after``: send ``Retry-After``. ``after_commit``: the
     row can also happen once a stream is committed (then it is frames, not a status).
     ``upstream``: the row is an upstream failure (counted in ``loopwarden_upstream_errors_total``
-    by the failure's ``kind``).
+    by the failure's ``kind``). ``named``: the codes a failure of a ``code``-less row may name.
     """
 
     situation: str
@@ -69,6 +69,30 @@ class Row:
     retry_after: bool = False
     after_commit: bool = True
     upstream: bool = False
+    named: tuple[str, ...] = ()
+
+
+#: The codes an `InvalidRequest` names (the check that failed), for the ``invalid_request`` row.
+CLIENT_CODES: Final = (
+    "invalid_json",
+    "duplicate_key",
+    "json_too_deep",
+    "invalid_unicode",
+    "invalid_number",
+    "invalid_type",
+    "invalid_value",
+    "invalid_request",
+    "missing_required_parameter",
+    "unknown_parameter",
+    "integer_below_min_value",
+    "integer_above_max_value",
+    "mcp_server_not_allowed",
+    "unknown_mcp_server",
+    "duplicate_mcp_server",
+    "duplicate_tool_name",
+)
+#: The code of an upstream failure that sent none of its own.
+UPSTREAM_DEFAULT_CODE: Final = "upstream_error"
 
 
 OUTCOMES: Final[Mapping[str, Row]] = {
@@ -126,7 +150,7 @@ OUTCOMES: Final[Mapping[str, Row]] = {
     "invalid_request": Row(
         "malformed client JSON, duplicate keys, depth over the cap, invalid Unicode, out-of-range numbers, "
         "dangling or unknown call_id, MCP server_url outside the allowlist, unknown server_label, clashing tool names",
-        400, None, deterministic=True, after_commit=False,
+        400, None, deterministic=True, after_commit=False, named=CLIENT_CODES,
     ),
     "invalid_header": Row(
         "limit-lowering header out of range", 400, "invalid_header", deterministic=True, after_commit=False
@@ -167,7 +191,7 @@ OUTCOMES: Final[Mapping[str, Row]] = {
         "method not allowed (with Allow)", 405, "method_not_allowed", deterministic=True, after_commit=False
     ),
     "store_unavailable": Row("the response store's database fails", 503, "store_unavailable"),
-    "internal": Row("a defect of the gateway (never caused by input)", 500, "internal_error"),
+    "internal": Row("a defect of the gateway (never caused by input)", 500, "internal_error", deterministic=True),
 }  # fmt: skip
 
 
@@ -272,7 +296,7 @@ def resolve(exc: BaseException, *, committed: bool = False, note: str = "") -> O
     return Outcome(
         row=key,
         status=status,
-        code=code or "upstream_error",
+        code=code or UPSTREAM_DEFAULT_CODE,
         message=with_request_id(message),
         param=param,
         headers=tuple(headers),
@@ -378,7 +402,7 @@ def stored_status(outcome: Outcome | None) -> tuple[str, dict[str, Any] | None]:
 def stream_error_codes() -> frozenset[str]:
     """The codes the gateway itself can send after commit (the bounded ``code`` label of
     ``loopwarden_stream_errors_total``; an upstream's own code is folded into ``upstream_error``)."""
-    return frozenset({row.code or "upstream_error" for row in OUTCOMES.values() if row.after_commit})
+    return frozenset({row.code or UPSTREAM_DEFAULT_CODE for row in OUTCOMES.values() if row.after_commit})
 
 
 def record(outcome: Outcome, *, owner: str = "", limit: int | None = None) -> None:
@@ -418,3 +442,39 @@ def record(outcome: Outcome, *, owner: str = "", limit: int | None = None) -> No
         f" {line}" if line else "",
         exc_info=error if outcome.row == "internal" and error is not None else None,
     )
+
+
+def markdown_table() -> str:
+    """The README's outcome table, generated from `OUTCOMES` (``python -m middleware.outcomes``
+    prints it; a test keeps the README equal to it)."""
+    lines = [
+        "| situation | before commit | after commit | code | cap hit (`limit`) | retry |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, row in OUTCOMES.items():
+        status = "upstream's own" if row.status == 0 else str(row.status)
+        extras = [
+            name
+            for name, on in (("`Connection: close`", row.close), ("`Retry-After`", row.retry_after))
+            if on
+        ]
+        before = status + (f" ({', '.join(extras)})" if extras else "")
+        after = "`error` + `response.failed`" if row.after_commit else "—"
+        if row.code:
+            code = f"`{row.code}`"
+        elif row.upstream:
+            code = f"the upstream's, else `{UPSTREAM_DEFAULT_CODE}`"
+        else:
+            code = ", ".join(f"`{c}`" for c in row.named)
+        cap = f"`{row.cap}`" if row.cap else "—"
+        retry = (
+            "no (`x-should-retry: false`)"
+            if row.deterministic
+            else ("409/429 only" if key == "upstream_4xx" else "yes")
+        )
+        lines.append(f"| {row.situation} | {before} | {after} | {code} | {cap} | {retry} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - a documentation helper
+    print(markdown_table(), end="")

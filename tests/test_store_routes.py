@@ -154,8 +154,8 @@ def text(item: Any) -> str:
 
 
 def assert_envelope(resp: httpx.Response, status: int, code: str, param: str | None = None) -> None:
-    """The OpenAI envelope with this status, code and param; 4xx say ``x-should-retry: false``
-    and 5xx do not; the message ends with the request id (the ``x-request-id`` answered)."""
+    """The OpenAI envelope with this status, code and param; 4xx and a defect (500) say
+    ``x-should-retry: false`` and other 5xx do not; the message ends with the request id."""
     assert resp.status_code == status, resp.text
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = resp.json()
@@ -164,7 +164,7 @@ def assert_envelope(resp: httpx.Response, status: int, code: str, param: str | N
     }
     assert body["error"]["message"]
     assert resp.headers["content-type"] == "application/json"
-    assert resp.headers.get("x-should-retry") == ("false" if status < 500 else None)
+    assert resp.headers.get("x-should-retry") == ("false" if status < 500 or status == 500 else None)
     assert body["error"]["message"].endswith(f" [request id {resp.headers['x-request-id']}]")
 
 

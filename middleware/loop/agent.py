@@ -18,6 +18,7 @@ round's ``mcp_call`` items follow them. Failures are raised for the guard to set
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -51,7 +52,7 @@ from middleware.loop.stitcher import StreamStitcher
 from middleware.ops import metrics
 from middleware.state import GatewayState
 from middleware.store.history import Restored, restore_history
-from middleware.store.store import RESPONSE_STATUSES, StoredResponse
+from middleware.store.store import RESPONSE_STATUSES, ConversationNotFound, StoredResponse
 from middleware.tools import ResolvedTools, ToolOutcome, refuse_tool_call, run_tool_calls
 from middleware.upstream.errors import UpstreamInvalid, read_limited, status_failure, stream_error_failure
 from middleware.upstream.protocol import UpstreamResponse
@@ -440,11 +441,13 @@ class AgentLoop:
         )
 
     async def _persist_checked(self, response: dict[str, Any]) -> None:
-        """`_persist`, but a response the store cannot encode (NaN, huge numbers from an upstream)
-        is logged and not stored, rather than failing a request that otherwise succeeded."""
+        """`_persist`, but a response the store cannot encode (huge numbers from an upstream), or
+        whose conversation was deleted while the request ran, is logged and not stored (the
+        deleted conversation's items are not brought back), rather than failing a request that
+        otherwise succeeded: the client still gets the answer it was streaming."""
         try:
             await self._persist(response)
-        except (ValueError, OverflowError) as exc:
+        except (ValueError, OverflowError, ConversationNotFound) as exc:
             log.warning("response %s was not stored: %s", self.response_id, exc)
 
     async def _persist_failure(self, status: str, error: dict[str, Any] | None) -> None:
@@ -503,19 +506,18 @@ class AgentLoop:
 
     async def _round_stream(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         acc = StreamAccumulator(self.ctx.ledger)
-        events = read_stream_events(
-            response,
-            self.ctx.ledger,
-            client=self.client,
-        )
-        async for event in events:
-            if event.type == "error":
-                raise stream_error_failure(event.obj)
-            acc.apply(event)
-            if self.stitcher is not None:
-                await self.stitcher.forward(event)
-            if event.type in TERMINAL_EVENTS:
-                break
+        # closed as soon as the round ends, however it ends: what the reader holds is released then
+        async with contextlib.aclosing(
+            read_stream_events(response, self.ctx.ledger, client=self.client)
+        ) as events:
+            async for event in events:
+                if event.type == "error":
+                    raise stream_error_failure(event.obj)
+                acc.apply(event)
+                if self.stitcher is not None:
+                    await self.stitcher.forward(event)
+                if event.type in TERMINAL_EVENTS:
+                    break
         if acc.terminal is None:
             raise no_terminal_event()
         # The terminal event's type is the round's status: a response.failed / .incomplete never

@@ -10,6 +10,7 @@ answer to a buffered call is aggregated. Failures are raised for the guard to se
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -71,12 +72,15 @@ class Passthrough:
 
     async def _aggregate_stream(self, response: UpstreamResponse) -> dict[str, Any]:
         acc = StreamAccumulator(self.ctx.ledger)
-        async for event in read_stream_events(response, self.ctx.ledger, client=self.client):
-            if event.type == "error":
-                raise stream_error_failure(event.obj)
-            acc.apply(event)
-            if event.type in TERMINAL_EVENTS:
-                break
+        async with contextlib.aclosing(
+            read_stream_events(response, self.ctx.ledger, client=self.client)
+        ) as events:
+            async for event in events:
+                if event.type == "error":
+                    raise stream_error_failure(event.obj)
+                acc.apply(event)
+                if event.type in TERMINAL_EVENTS:
+                    break
         if acc.terminal is None:
             raise no_terminal_event()
         final = dict(acc.terminal)
@@ -92,16 +96,19 @@ class Passthrough:
         # Forwarded and dropped: nothing of the stream is kept on this path, so nothing is
         # accumulated (the parser's bytes and each frame's parse are still charged).
         self.client.snapshot = self._snapshot
-        async for event in read_stream_events(response, self.ctx.ledger, client=self.client):
-            if event.type == "error":
-                raise stream_error_failure(event.obj)
-            if event.type == "response.created" and isinstance(event.obj.get("response"), dict):
-                created = event.obj["response"]
-                self._created = {
-                    k: created.get(k) for k in ("id", "object", "created_at", "model") if k in created
-                }
-            await self.client.forward(event.type, event.data, event.obj, changed=event.changed)
-            if event.type in TERMINAL_EVENTS:
-                await self.client.end()
-                return
+        async with contextlib.aclosing(
+            read_stream_events(response, self.ctx.ledger, client=self.client)
+        ) as events:
+            async for event in events:
+                if event.type == "error":
+                    raise stream_error_failure(event.obj)
+                if event.type == "response.created" and isinstance(event.obj.get("response"), dict):
+                    created = event.obj["response"]
+                    self._created = {
+                        k: created.get(k) for k in ("id", "object", "created_at", "model") if k in created
+                    }
+                await self.client.forward(event.type, event.data, event.obj, changed=event.changed)
+                if event.type in TERMINAL_EVENTS:
+                    await self.client.end()
+                    return
         raise no_terminal_event()

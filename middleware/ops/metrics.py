@@ -77,6 +77,7 @@ CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     ("max_retained_bytes", "sse_error"),  # later overflow, after commit
     ("request_body", "413"),  # raw body over limit // 32
     ("upstream_body", "502"),  # buffered upstream Content-Length over limit // 8
+    ("upstream_body", "sse_error"),  # the same in a later round of a committed stream
     ("max_infer_iters", "508"),
     ("max_infer_iters", "sse_error"),
     ("max_tool_calls", "incomplete"),  # the request's own max_tool_calls: the client's choice
@@ -86,6 +87,8 @@ CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     ("request_deadline", "sse_error"),
     ("admission", "503"),  # process pool full
     ("admission", "413"),  # one reservation larger than the whole pool
+    ("admission", "502"),  # the pool has no room for a later charge
+    ("admission", "sse_error"),  # the same after commit
 )
 #: ``loopwarden_upstream_errors_total{kind}``.
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
