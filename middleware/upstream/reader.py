@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from budget import JsonNodeCounter, JsonTooDeep, Ledger
@@ -77,7 +77,7 @@ async def read_stream_events(
     ledger: Ledger,
     *,
     client: ClientStream | None = None,
-) -> AsyncIterator[UpstreamEvent]:
+) -> AsyncGenerator[UpstreamEvent, None]:
     """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
 
     With a `ClientStream` (``client``): it is flushed each time every event of the bytes received
