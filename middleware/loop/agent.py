@@ -21,14 +21,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from budget import ChargeModel, count_json_nodes
 from middleware.errors import InvalidRequest, LoopLimitReached
 from middleware.ids import new_id
-from middleware.loop.approvals import approval_id, check_call_pairs, pending_approvals
+from middleware.loop.approvals import approval_id, check_approvals, check_call_pairs, pending_approvals
 from middleware.loop.context import RequestContext
 from middleware.loop.decision import (
     Continue,
@@ -38,23 +37,24 @@ from middleware.loop.decision import (
     RequiresClientAction,
     RoundState,
     classify_round,
+    split_calls,
 )
 from middleware.loop.items import (
     TERMINAL_STATUS,
     approval_request_item,
     as_input_items,
-    epoch_seconds,
+    final_response,
     mcp_call_item,
-    public_tools,
     sum_usage,
+    upstream_body,
 )
+from middleware.loop.persist import ResponseRecorder
 from middleware.loop.stitcher import StreamStitcher
 from middleware.ops import metrics
 from middleware.state import GatewayState
-from middleware.store.history import Restored, restore_history
-from middleware.store.store import RESPONSE_STATUSES, ConversationNotFound, StoredResponse
+from middleware.store.history import restore_history
 from middleware.tools import ResolvedTools, ToolOutcome, refuse_tool_call, run_tool_calls
-from middleware.upstream.errors import UpstreamInvalid, read_limited, status_failure, stream_error_failure
+from middleware.upstream.errors import read_limited, status_failure, stream_error_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
     TERMINAL_EVENTS,
@@ -87,7 +87,6 @@ class AgentLoop:
         self.input_items = as_input_items(self.request.get("input"))  # as the client sent them
         self.new_input = [i for i in self.input_items if i.get("type") != "mcp_approval_response"]
         self.history: list[dict[str, Any]] = []  # restored from the store, sent before the new input
-        self.restored = Restored([])
         self.replay: list[dict[str, Any]] = []  # this request's items, appended to the input upstream
         self.items: list[dict[str, Any]] = list(resolved.list_items)  # what the client sees
         self.usage: dict[str, Any] | None = None
@@ -102,7 +101,15 @@ class AgentLoop:
             if ctx.stream
             else None
         )
-        self.persisted = False
+        self.recorder = ResponseRecorder(
+            state.store if ctx.store else None,
+            response_id=self.response_id,
+            owner=ctx.owner,
+            request=self.request,
+            input_items=self.input_items,
+            items=self.items,
+            replay=self.replay,
+        )
         self.rounds_observed = False
         self._round_acc: StreamAccumulator | None = None
         self._round_charge = 0
@@ -115,7 +122,7 @@ class AgentLoop:
         guard to settle; before it does, the guard stores the response's true status through
         ``ctx.hooks.persist_failure``, which this sets (DESIGN.md §7).
         """
-        self.ctx.hooks.persist_failure = self._persist_failure
+        self.ctx.hooks.persist_failure = self.recorder.failed
         try:
             await self._prepare()
             await self._loop()
@@ -141,8 +148,10 @@ class AgentLoop:
             self.ctx.ledger.reserve(charge)
         store = self.state.store
         if store is not None:
-            self.restored = await restore_history(self.request, store, self.ctx.owner, self.ctx.ledger)
-            self.history = self.restored.items
+            self.recorder.restored = await restore_history(
+                self.request, store, self.ctx.owner, self.ctx.ledger
+            )
+            self.history = self.recorder.restored.items
         elif (
             self.request.get("previous_response_id") is not None
             or self.request.get("conversation") is not None
@@ -154,22 +163,7 @@ class AgentLoop:
             )
         approvals = pending_approvals(self.history, self.input_items)
         check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
-        for call, _ in approvals:
-            if self.resolved.gateway_tool(str(call.get("name"))) is None:
-                raise InvalidRequest(
-                    f"the approved call {call.get('call_id')!r} is for tool {str(call.get('name'))[:100]!r}, which this "
-                    "request's tools do not declare; resend the mcp tool with the approval",
-                    code="invalid_value",
-                    param="tools",
-                )
-        approved = [call for call, answer in approvals if answer.get("approve") is True]
-        if self.max_tool_calls is not None and len(approved) > self.max_tool_calls:
-            raise InvalidRequest(
-                f"{len(approved)} approved tool calls exceed this request's max_tool_calls={self.max_tool_calls}; "
-                "approve fewer calls or raise max_tool_calls",
-                code="invalid_value",
-                param="max_tool_calls",
-            )
+        approved = check_approvals(approvals, self.resolved, self.max_tool_calls)
         if approved and self.stitcher is not None:
             await self.stitcher.ensure_started()
         outcomes = dict(zip((id(c) for c in approved), await self._run_tools(approved), strict=True))
@@ -198,9 +192,21 @@ class AgentLoop:
     async def _loop(self) -> None:
         while True:
             self.rounds += 1
-            terminal, output = await self._round(self._upstream_body())
+            body = upstream_body(
+                self.request,
+                self.resolved.upstream_tools,
+                self.history + self.new_input + self.replay,
+                self.rounds,
+                keep_text=not self.history and not self.replay,
+            )
+            terminal, output = await self._round(body)
             self.usage = sum_usage(self.usage, terminal.get("usage"))
-            gateway_calls, client_calls, approvals = self._split_calls(output)
+            seen = {
+                i.get("call_id")
+                for i in (*self.history, *self.new_input, *self.replay)
+                if i.get("type") == "function_call"
+            }
+            gateway_calls, client_calls, approvals = split_calls(output, self.resolved, seen)
             left = None if self.max_tool_calls is None else max(0, self.max_tool_calls - self.tool_calls_used)
             details = terminal.get("incomplete_details")
             decision = classify_round(
@@ -250,67 +256,6 @@ class AgentLoop:
         if self._round_charge:
             self.ctx.ledger.release(self._round_charge)
             self._round_charge = 0
-
-    def _split_calls(
-        self, output: Sequence[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-        """(gateway calls that may run, client-owned calls, gateway calls awaiting approval)."""
-        gateway: list[dict[str, Any]] = []
-        client: list[dict[str, Any]] = []
-        approvals: list[dict[str, Any]] = []
-        seen = {
-            i.get("call_id")
-            for i in (*self.history, *self.new_input, *self.replay)
-            if i.get("type") == "function_call"
-        }
-        for item in output:
-            if item.get("type") == "function_call":
-                call_id, name = item.get("call_id"), item.get("name")
-                if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
-                    raise UpstreamInvalid(
-                        "upstream returned a function_call without a string call_id and name"
-                    )
-                if call_id in seen:
-                    raise UpstreamInvalid(f"upstream returned a duplicate call_id {call_id[:100]!r}")
-                seen.add(call_id)
-            if item.get("type") != "function_call":
-                if item.get("type") in (
-                    "custom_tool_call",
-                    "computer_call",
-                    "local_shell_call",
-                    "shell_call",
-                ):
-                    client.append(item)
-                continue
-            tool = self.resolved.gateway_tool(str(item.get("name")))
-            if tool is None:
-                client.append(item)
-            elif tool.require_approval:
-                approvals.append(item)
-            else:
-                gateway.append(item)
-        return gateway, client, approvals
-
-    def _upstream_body(self) -> bytes:
-        body = dict(self.request)
-        if "tools" in body or self.resolved.upstream_tools:
-            body["tools"] = self.resolved.upstream_tools
-        raw_input = self.request.get("input")
-        if isinstance(raw_input, str) and not self.history and not self.replay:
-            body["input"] = raw_input  # nothing to add: keep the client's own form
-        else:
-            body["input"] = self.history + self.new_input + self.replay
-        body["store"] = False  # the gateway owns the history (DESIGN.md §6)
-        for field in ("max_tool_calls", "previous_response_id", "conversation"):
-            body.pop(field, None)
-        include = body.get("include")
-        include = list(include) if isinstance(include, list) else []
-        if "reasoning.encrypted_content" not in include:
-            include.append("reasoning.encrypted_content")
-        body["include"] = include
-        if self.rounds > 1:
-            body["tool_choice"] = "auto"
-        return json.dumps(body, separators=(",", ":")).encode()
 
     async def _run_tools(self, calls: Sequence[dict[str, Any]]) -> list[ToolOutcome]:
         if not calls:
@@ -396,85 +341,21 @@ class AgentLoop:
             if self.stitcher is not None:
                 await self.stitcher.add_item(request)
 
-    def _final_response(self, terminal: dict[str, Any], decision: Any) -> dict[str, Any]:
-        final = dict(terminal)
-        final["id"] = self.response_id
-        final["object"] = "response"
-        final["output"] = self.items
-        final["tools"] = public_tools(self.request.get("tools"))
-        final["tool_choice"] = self.request.get("tool_choice", "auto")
-        final["store"] = self.ctx.store
-        final["previous_response_id"] = self.restored.previous_response_id
-        if self.restored.conversation_id is not None:
-            final["conversation"] = {"id": self.restored.conversation_id}
-        if self.usage is not None:
-            final["usage"] = self.usage
-        if isinstance(decision, Incomplete):
-            final["status"] = "incomplete"
-            final["incomplete_details"] = {"reason": decision.reason}
-        elif final.get("status") in (None, "in_progress"):
-            final["status"] = "completed"
-        return final
-
-    async def _persist(self, response: dict[str, Any]) -> None:
-        """Store the response (one transaction) when the request has ``store`` on."""
-        store = self.state.store
-        if store is None or not self.ctx.store:
-            return
-        status = str(response.get("status") or "completed")
-        params = {k: v for k, v in self.request.items() if k not in ("input", "stream")}
-        await store.save_response(
-            StoredResponse(
-                id=self.response_id,
-                owner=self.ctx.owner,
-                created_at=epoch_seconds(response.get("created_at")),
-                status=status if status in RESPONSE_STATUSES else "completed",
-                model=str(self.request.get("model")),
-                previous_response_id=self.restored.previous_response_id,
-                conversation_id=self.restored.conversation_id,
-                response=response,
-                request=params,
-            ),
-            input_items=self.input_items,
-            output_items=self.items,
-            replay_items=self.replay,
-        )
-
-    async def _persist_checked(self, response: dict[str, Any]) -> None:
-        """`_persist`, but a response the store cannot encode (huge numbers from an upstream), or
-        whose conversation was deleted while the request ran, is logged and not stored (the
-        deleted conversation's items are not brought back), rather than failing a request that
-        otherwise succeeded: the client still gets the answer it was streaming."""
-        try:
-            await self._persist(response)
-        except (ValueError, OverflowError, ConversationNotFound) as exc:
-            log.warning("response %s was not stored: %s", self.response_id, exc)
-
-    async def _persist_failure(self, status: str, error: dict[str, Any] | None) -> None:
-        """Store the true status of a request that failed or whose client went away (best effort)."""
-        if self.persisted:
-            return
-        self.persisted = True
-        response = {
-            "id": self.response_id,
-            "object": "response",
-            "created_at": int(time.time()),
-            "status": status,
-            "error": error,
-            "model": self.request.get("model"),
-            "output": self.items,
-            "tools": public_tools(self.request.get("tools")),
-            "previous_response_id": self.restored.previous_response_id,
-        }
-        await self._persist_checked(response)
-
     async def _finish(self, terminal: dict[str, Any], decision: Any) -> None:
-        final = self._final_response(terminal, decision)
+        final = final_response(
+            terminal,
+            response_id=self.response_id,
+            request=self.request,
+            items=self.items,
+            store=self.ctx.store,
+            restored=self.recorder.restored,
+            usage=self.usage,
+            incomplete=decision.reason if isinstance(decision, Incomplete) else None,
+        )
         raw = json.dumps(final, separators=(",", ":")).encode()
         self.ctx.ledger.admit_terminal(raw)
-        self.persisted = True
         await self.client.flush()  # the last round's events do not wait for the store
-        await self._persist_checked(final)
+        await self.recorder.finished(final)
         self._observe_rounds()
         if self.stitcher is not None:
             await self.stitcher.terminal(final)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from middleware.errors import InvalidRequest
+from middleware.tools.resolved import ResolvedTools
 
 __all__ = ["APPROVAL_PREFIX", "approval_id", "check_call_pairs", "pending_approvals"]
 
@@ -130,3 +131,32 @@ def check_call_pairs(
                 code="invalid_value",
                 param="input",
             )
+
+
+def check_approvals(
+    approvals: Sequence[tuple[dict[str, Any], dict[str, Any]]],
+    resolved: ResolvedTools,
+    max_tool_calls: int | None,
+) -> list[dict[str, Any]]:
+    """The approved calls of `approvals` (from `pending_approvals`), after checking that each is
+    for a gateway tool this request declares and that they fit ``max_tool_calls``.
+
+    Raises `InvalidRequest` (``param`` ``tools`` / ``max_tool_calls``) before anything runs.
+    """
+    for call, _ in approvals:
+        if resolved.gateway_tool(str(call.get("name"))) is None:
+            raise InvalidRequest(
+                f"the approved call {call.get('call_id')!r} is for tool {str(call.get('name'))[:100]!r}, which this "
+                "request's tools do not declare; resend the mcp tool with the approval",
+                code="invalid_value",
+                param="tools",
+            )
+    approved = [call for call, answer in approvals if answer.get("approve") is True]
+    if max_tool_calls is not None and len(approved) > max_tool_calls:
+        raise InvalidRequest(
+            f"{len(approved)} approved tool calls exceed this request's max_tool_calls={max_tool_calls}; "
+            "approve fewer calls or raise max_tool_calls",
+            code="invalid_value",
+            param="max_tool_calls",
+        )
+    return approved

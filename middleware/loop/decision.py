@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from middleware.upstream.errors import UpstreamInvalid
+
+if TYPE_CHECKING:
+    from middleware.tools.resolved import ResolvedTools
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,3 +106,42 @@ def classify_round(state: RoundState) -> LoopDecision:
     if state.inference_calls >= state.max_infer_iters:
         return LoopDetected(state.inference_calls)
     return Continue(run=gateway)
+
+
+#: Output item types that are always the client's to run (the gateway runs only MCP tools).
+CLIENT_CALL_TYPES = frozenset({"custom_tool_call", "computer_call", "local_shell_call", "shell_call"})
+
+
+def split_calls(
+    output: Sequence[dict[str, Any]], resolved: ResolvedTools, seen: set[Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """A round's output items as (gateway calls that may run, client-owned calls, gateway calls
+    awaiting approval), in output order — the inputs of `classify_round`.
+
+    ``seen``: the ``call_id``s of the function calls already in the history, the input and this
+    request's earlier rounds (updated). Raises `UpstreamInvalid` for a function call without a
+    string ``call_id`` and ``name``, or one whose ``call_id`` was seen (DESIGN.md §5).
+    """
+    gateway: list[dict[str, Any]] = []
+    client: list[dict[str, Any]] = []
+    approvals: list[dict[str, Any]] = []
+    for item in output:
+        kind = item.get("type")
+        if kind != "function_call":
+            if kind in CLIENT_CALL_TYPES:
+                client.append(item)
+            continue
+        call_id, name = item.get("call_id"), item.get("name")
+        if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
+            raise UpstreamInvalid("upstream returned a function_call without a string call_id and name")
+        if call_id in seen:
+            raise UpstreamInvalid(f"upstream returned a duplicate call_id {call_id[:100]!r}")
+        seen.add(call_id)
+        tool = resolved.gateway_tool(name)
+        if tool is None:
+            client.append(item)
+        elif tool.require_approval:
+            approvals.append(item)
+        else:
+            gateway.append(item)
+    return gateway, client, approvals

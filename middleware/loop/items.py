@@ -9,11 +9,15 @@ a streamed call buffered).
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from middleware.store.store import SECRET_TOOL_FIELDS
 from middleware.tools import ToolOutcome
+
+if TYPE_CHECKING:
+    from middleware.store.history import Restored
 
 #: Terminal event type -> the response status it ends with (DESIGN.md §6: the event decides).
 TERMINAL_STATUS = {
@@ -136,3 +140,65 @@ def synthesized_events(
         events.append(("response.output_item.done", {"output_index": index, "item": item}))
     events.append((terminal_event(response.get("status")), {"response": response}))
     return events
+
+
+def upstream_body(
+    request: dict[str, Any], tools: list[Any], items: list[dict[str, Any]], rounds: int, *, keep_text: bool
+) -> bytes:
+    """The JSON body of one inference call (DESIGN.md §6): the client's request with the
+    gateway's `tools` (MCP tools as function tools), the items so far as ``input`` (the client's
+    own string when `keep_text` and nothing was added), ``store: false`` and no
+    ``previous_response_id`` / ``conversation`` / ``max_tool_calls`` (the gateway owns the
+    history), ``reasoning.encrypted_content`` included, and ``tool_choice: "auto"`` after the
+    first round (`rounds` is this call's number, from 1)."""
+    body = dict(request)
+    if "tools" in body or tools:
+        body["tools"] = tools
+    raw_input = request.get("input")
+    body["input"] = raw_input if isinstance(raw_input, str) and keep_text else items
+    body["store"] = False
+    for field in ("max_tool_calls", "previous_response_id", "conversation"):
+        body.pop(field, None)
+    include = body.get("include")
+    include = list(include) if isinstance(include, list) else []
+    if "reasoning.encrypted_content" not in include:
+        include.append("reasoning.encrypted_content")
+    body["include"] = include
+    if rounds > 1:
+        body["tool_choice"] = "auto"
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def final_response(
+    terminal: dict[str, Any],
+    *,
+    response_id: str,
+    request: dict[str, Any],
+    items: list[dict[str, Any]],
+    store: bool,
+    restored: Restored,
+    usage: dict[str, Any] | None,
+    incomplete: str | None,
+) -> dict[str, Any]:
+    """The client's response object: the last round's terminal response with the gateway's id,
+    every round's visible `items`, the client's own ``tools`` (secrets null), ``tool_choice``,
+    ``store``, ``previous_response_id`` / ``conversation`` (from `restored`), the summed `usage`,
+    and ``incomplete`` (a reason) when the loop ended incomplete (DESIGN.md §6)."""
+    final = dict(terminal)
+    final["id"] = response_id
+    final["object"] = "response"
+    final["output"] = items
+    final["tools"] = public_tools(request.get("tools"))
+    final["tool_choice"] = request.get("tool_choice", "auto")
+    final["store"] = store
+    final["previous_response_id"] = restored.previous_response_id
+    if restored.conversation_id is not None:
+        final["conversation"] = {"id": restored.conversation_id}
+    if usage is not None:
+        final["usage"] = usage
+    if incomplete is not None:
+        final["status"] = "incomplete"
+        final["incomplete_details"] = {"reason": incomplete}
+    elif final.get("status") in (None, "in_progress"):
+        final["status"] = "completed"
+    return final
