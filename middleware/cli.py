@@ -1,4 +1,7 @@
-"""The ``loopwarden`` command: ``serve`` (the gateway) and ``devmodel`` (the scripted model alone).
+"""The ``loopwarden`` command: ``serve``, ``devmodel`` and ``capacity``.
+
+``serve`` runs the gateway, ``devmodel`` the scripted development model alone, and ``capacity``
+recommends limits from a Prometheus that scrapes the gateway (`middleware.ops.capacity`).
 
 Every ``serve`` flag has a ``LOOPWARDEN_<NAME>`` environment variable and a config-file key of the
 same name; flags win over the environment, which wins over the file (DESIGN.md §3). An invalid
