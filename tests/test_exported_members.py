@@ -6,6 +6,7 @@ import inspect
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -62,4 +63,4 @@ def test_importing_the_package_or_a_submodule_does_not_import_the_app() -> None:
         "from middleware import Settings\n"
         "assert 'middleware.app' not in sys.modules\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
