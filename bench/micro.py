@@ -161,7 +161,7 @@ async def await_costs(n: int) -> None:
         async for _ in chunk_source(n, b"x"):
             pass
 
-    async def task_and_wait() -> None:  # middleware/stream.py read_stream_events
+    async def task_and_wait() -> None:  # middleware/upstream/reader.py read_stream_events
         it = chunk_source(n, b"x")
         while True:
             pending = asyncio.ensure_future(anext(it))
@@ -171,7 +171,7 @@ async def await_costs(n: int) -> None:
             except StopAsyncIteration:
                 return
 
-    async def timeout_each() -> None:  # middleware/upstream.py _HttpxResponse.chunks
+    async def timeout_each() -> None:  # middleware/upstream/httpx_client.py _HttpxResponse.chunks
         it = chunk_source(n, b"x")
         deadline = asyncio.get_running_loop().time() + 1800
         while True:

@@ -179,6 +179,9 @@ class Ledger:
         The chunk also needs room for its transient peak (``16*len``), so ``48*len`` must fit.
         The retained part stays until `release_stream_bytes` is called for those bytes. Not
         multiplied by store. Phase ``stream``.
+
+        Serves the cost table (`budget.costs`) and the benchmarks; the gateway's stream reader
+        charges whole frames by size instead (`admit_stream_bytes`, then `release`).
         """
         return self.admit_stream_bytes(len(raw))
 
@@ -193,7 +196,10 @@ class Ledger:
 
     def release_stream_bytes(self, nbytes: int) -> int:
         """A frame completed: ``nbytes`` wire bytes left the parser buffer. Releases
-        ``32*nbytes`` and returns that amount. Raises `ValueError` if more than is charged."""
+        ``32*nbytes`` and returns that amount. Raises `ValueError` if more than is charged.
+
+        The counterpart of `admit_stream_chunk`, for the cost table (`budget.costs`) and the
+        benchmarks; the gateway releases the amount `admit_stream_bytes` returned (`release`)."""
         return self.release(self._model.stream_retained_charge(_size("nbytes", nbytes)))
 
     def check_stream_frame(self, data: BytesLike, nodes: int | None = None) -> int:
@@ -232,7 +238,11 @@ class Ledger:
 
     def admit_history(self, serialized: BytesLike, nodes: int | None = None) -> int:
         """Charge restored stored history: ``32*len + 8192*nodes`` (never × store). Phase
-        ``history``."""
+        ``history``.
+
+        The by-payload form of `admit_history_size`, which is what the gateway and the cost table
+        (`budget.costs`) call (history is charged from sizes summed in SQL, before decoding); the
+        ledger tests use this one to check the history price on real payloads."""
         m, n = self._model, len(serialized)
         self._fits("history", m.history_charge(n, 0))
         return self._commit("history", m.history_charge(n, self._nodes(serialized, nodes)))

@@ -1,4 +1,7 @@
-"""The ``loopwarden`` command: ``serve`` (the gateway) and ``devmodel`` (the scripted model alone).
+"""The ``loopwarden`` command: ``serve``, ``devmodel`` and ``capacity``.
+
+``serve`` runs the gateway, ``devmodel`` the scripted development model alone, and ``capacity``
+recommends limits from a Prometheus that scrapes the gateway (`middleware.ops.capacity`).
 
 Every ``serve`` flag has a ``LOOPWARDEN_<NAME>`` environment variable and a config-file key of the
 same name; flags win over the environment, which wins over the file (DESIGN.md §3). An invalid
@@ -17,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from middleware.config import ConfigError, load_settings
+from middleware.config import SettingsError, load_settings
 from middleware.ops.admission import install_drain_hook
 from middleware.ops.request_id import log_config
 
@@ -171,12 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "prometheus", "window", "plot")}
     try:
         settings = load_settings(flags, os.environ)
-    except ConfigError as exc:
+    except SettingsError as exc:
         print(f"loopwarden: {exc}", file=sys.stderr)
         return 2
     try:
         keys = settings.api_keys()
-    except ConfigError as exc:
+    except SettingsError as exc:
         print(f"loopwarden: {exc}", file=sys.stderr)
         return 2
     if not keys:

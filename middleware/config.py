@@ -2,7 +2,7 @@
 
 Precedence (DESIGN.md §3): command-line flags > ``LOOPWARDEN_*`` environment variables >
 the config file (YAML or TOML, ``--config FILE``) > the defaults below. Every value is
-validated once, at start-up; an invalid value raises `ConfigError` with a message naming the
+validated once, at start-up; an invalid value raises `SettingsError` with a message naming the
 field, the allowed range and the value given (the ``budget.Limits`` wording).
 """
 
@@ -24,8 +24,10 @@ from middleware.asgi.models import ModelConfigError, ModelRoute, parse_models
 ENV_PREFIX = "LOOPWARDEN_"
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value or file; the message names the field and the fix."""
+class SettingsError(ValueError):
+    """An invalid `Settings` value or config file; the message names the field and the fix.
+
+    A `budget.ConfigError` raised by `budget.Limits` is re-raised as this, with its message."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,45 +81,45 @@ class Settings:
         try:
             parse_models(self.models)
         except ModelConfigError as exc:
-            raise ConfigError(str(exc)) from None
+            raise SettingsError(str(exc)) from None
         for entry in self.mcp_server:
             label, sep, url = entry.partition("=")
             if not sep or not label or not url.startswith(("http://", "https://")):
-                raise ConfigError(
+                raise SettingsError(
                     f"mcp_server entries must look like LABEL=http(s)://HOST/PATH, got {entry!r}"
                 )
         if self.store != "memory" and not self.store.startswith(
             ("sqlite:///", "postgresql://", "postgres://")
         ):
-            raise ConfigError(
+            raise SettingsError(
                 f"store must be memory, sqlite:///PATH or postgresql://..., got {self.store.split('://')[0]!r}"
             )
         if self.max_inflight_retained_bytes < 0:
-            raise ConfigError(
+            raise SettingsError(
                 f"max_inflight_retained_bytes must be >= 0 (0: a quarter of memory / workers), got {self.max_inflight_retained_bytes}"
             )
         if self.max_concurrent_requests < 0:
-            raise ConfigError(
+            raise SettingsError(
                 f"max_concurrent_requests must be >= 0 (0: no cap), got {self.max_concurrent_requests}"
             )
         if not 0 < self.memory_pressure_threshold <= 1:
-            raise ConfigError(
+            raise SettingsError(
                 f"memory_pressure_threshold must be in (0, 1], got {self.memory_pressure_threshold}"
             )
         if not 0 <= self.mcp_idle_sessions_per_server <= 64:
-            raise ConfigError(
+            raise SettingsError(
                 f"mcp_idle_sessions_per_server must be in 0..=64, got {self.mcp_idle_sessions_per_server}"
             )
         if not 1 <= self.tool_concurrency <= 100:
-            raise ConfigError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
+            raise SettingsError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
         if not 1 <= self.tool_max_result_bytes <= 268_435_456:
-            raise ConfigError(
+            raise SettingsError(
                 f"tool_max_result_bytes must be in 1..=268435456, got {self.tool_max_result_bytes}"
             )
         try:
             Limits(max_infer_iters=self.max_infer_iters, max_retained_bytes=self.max_retained_bytes)
         except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+            raise SettingsError(str(exc)) from None
         for name in (
             "upstream_connect_timeout",
             "upstream_read_timeout",
@@ -133,37 +135,37 @@ class Settings:
         ):
             value = getattr(self, name)
             if not value > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+                raise SettingsError(f"{name} must be a positive number of seconds, got {value}")
         if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in 0..=65535, got {self.port}")
+            raise SettingsError(f"port must be in 0..=65535, got {self.port}")
         if not 1 <= self.workers <= 256:
-            raise ConfigError(f"workers must be in 1..=256, got {self.workers}")
+            raise SettingsError(f"workers must be in 1..=256, got {self.workers}")
         if not 1 <= self.upstream_max_connections <= 10_000:
-            raise ConfigError(
+            raise SettingsError(
                 f"upstream_max_connections must be in 1..=10000, got {self.upstream_max_connections}"
             )
         if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
-            raise ConfigError(f"upstream must be an http:// or https:// URL, got {self.upstream!r}")
+            raise SettingsError(f"upstream must be an http:// or https:// URL, got {self.upstream!r}")
         if self.upstream_client not in ("aiohttp", "httpx"):
-            raise ConfigError(f"upstream_client must be aiohttp or httpx, got {self.upstream_client!r}")
+            raise SettingsError(f"upstream_client must be aiohttp or httpx, got {self.upstream_client!r}")
         if self.log_format not in ("text", "json"):
-            raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
+            raise SettingsError(f"log_format must be text or json, got {self.log_format!r}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
-            raise ConfigError(
+            raise SettingsError(
                 f"log_level must be one of critical, error, warning, info, debug, got {self.log_level!r}"
             )
 
     def api_keys(self) -> list[str]:
         """The gateway API keys: ``api_key`` entries plus the lines of ``api_key_file``.
 
-        Raises ConfigError when the file cannot be read.
+        Raises SettingsError when the file cannot be read.
         """
         keys = list(self.api_key)
         if self.api_key_file:
             try:
                 text = Path(self.api_key_file).read_text()
             except OSError as exc:
-                raise ConfigError(f"cannot read api_key_file {self.api_key_file}: {exc.strerror}") from None
+                raise SettingsError(f"cannot read api_key_file {self.api_key_file}: {exc.strerror}") from None
             keys += [
                 line.strip()
                 for line in text.splitlines()
@@ -198,14 +200,14 @@ FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fiel
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
-    """Convert `value` (from `source`) to the type of field `name`; ConfigError if it cannot."""
+    """Convert `value` (from `source`) to the type of field `name`; SettingsError if it cannot."""
     kind = FIELDS[name].type
     if value is None:
         return None
     if kind == "dict[str, Any]":
         if isinstance(value, Mapping):
             return dict(value)
-        raise ConfigError(
+        raise SettingsError(
             f"{name} from {source} must be a mapping (set it in the config file), got {value!r}"
         )
     if kind == "tuple[str, ...]":
@@ -213,7 +215,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return tuple(part.strip() for part in value.split(",") if part.strip())
         if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
             return tuple(value)
-        raise ConfigError(f"{name} from {source} must be a list of strings, got {value!r}")
+        raise SettingsError(f"{name} from {source} must be a list of strings, got {value!r}")
     try:
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
@@ -225,37 +227,39 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return float(value)
         return str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name} from {source} must be {kind.replace('|', 'or')}, got {value!r}") from None
+        raise SettingsError(
+            f"{name} from {source} must be {kind.replace('|', 'or')}, got {value!r}"
+        ) from None
 
 
 def read_config_file(path: str) -> dict[str, Any]:
     """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file into a dict.
 
-    Keys may use dashes or underscores. Raises ConfigError for a missing or malformed file or an
+    Keys may use dashes or underscores. Raises SettingsError for a missing or malformed file or an
     unknown key (the message lists the known keys).
     """
     p = Path(path)
     try:
         text = p.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from None
     try:
         if p.suffix == ".toml":
             data: Any = tomllib.loads(text.decode("utf-8"))
         else:
             data = yaml.safe_load(text) or {}
     except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(
+        raise SettingsError(
             f"config file {path} is not valid {p.suffix.lstrip('.') or 'YAML'}: {exc}"
         ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
+        raise SettingsError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in FIELDS or name == "config":
             known = ", ".join(sorted(n for n in FIELDS if n != "config"))
-            raise ConfigError(f"unknown setting {key!r} in config file {path}; known settings: {known}")
+            raise SettingsError(f"unknown setting {key!r} in config file {path}; known settings: {known}")
         out[name] = _coerce(name, value, f"config file {path}")
     return out
 
@@ -263,7 +267,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Settings:
     """Resolve `Settings` from flags (only those given, i.e. not None), env and the config file.
 
-    Raises ConfigError naming the field, range and value for anything invalid.
+    Raises SettingsError naming the field, range and value for anything invalid.
     """
     given = {k: v for k, v in flags.items() if v is not None and k in FIELDS}
     env: dict[str, Any] = {}
@@ -277,4 +281,4 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] = os.envi
     try:
         return Settings(**merged)
     except TypeError as exc:  # pragma: no cover - guarded by FIELDS
-        raise ConfigError(str(exc)) from None
+        raise SettingsError(str(exc)) from None

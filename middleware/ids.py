@@ -1,5 +1,7 @@
-"""The gateway's one id format: ``<prefix>_`` + 32 random hex digits (128 bits), for every object it
-mints (responses ``resp_``, conversations ``conv_``, items ``msg_`` / ``fc_`` / ``mcp_`` / ...).
+"""`new_id`: the gateway's one id format, ``<prefix>_`` + 32 random hex digits (128 bits).
+
+Every object the gateway mints gets one (responses ``resp_``, conversations ``conv_``, items
+``msg_`` / ``fc_`` / ``mcp_`` / ...).
 
 Ids are opaque to clients and never capabilities: every store read also checks the caller's owner.
 128 random bits make a collision between gateways sharing one database negligible (about 2⁻⁶⁴

@@ -1,4 +1,4 @@
-"""Process-wide gateway state, created in the lifespan."""
+"""`GatewayState`: the process-wide objects every request of one worker shares."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from middleware.upstream.protocol import UpstreamClient
 if TYPE_CHECKING:
     from middleware.ops.admission import ProcessPool
     from middleware.store.store import Store
-    from middleware.tools.catalog import ToolCatalog
+    from middleware.tools import ToolCatalog
 
 
 @dataclasses.dataclass
 class GatewayState:
-    """The settings, the process's upstream client, MCP tool catalog and response store (None until
-    the lifespan has started them)."""
+    """The settings and the process's shared objects.
+
+    ``pool`` (the admission pool) is set by `middleware.app.create_app`; the upstream clients
+    (``upstream``, and ``upstreams`` per model route), the MCP tool ``catalog`` and the response
+    ``store`` are None (empty) until the app's lifespan has started them."""
 
     settings: Settings
     upstream: UpstreamClient | None = None

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from middleware.config import ConfigError, Settings, load_settings
+from middleware.config import Settings, SettingsError, load_settings
 
 
 def test_defaults() -> None:
@@ -55,20 +55,20 @@ def test_toml_config(tmp_path: Path) -> None:
     ],
 )
 def test_invalid_values_name_field_range_and_value(flags: dict[str, object], message: str) -> None:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(SettingsError) as info:
         load_settings(flags, {})
     assert str(info.value) == message
 
 
 def test_bad_env_value_names_the_variable() -> None:
-    with pytest.raises(ConfigError, match=r"max_infer_iters from \$LOOPWARDEN_MAX_INFER_ITERS must be int"):
+    with pytest.raises(SettingsError, match=r"max_infer_iters from \$LOOPWARDEN_MAX_INFER_ITERS must be int"):
         load_settings({}, {"LOOPWARDEN_MAX_INFER_ITERS": "lots"})
 
 
 def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "lw.yaml"
     cfg.write_text("max_retained_byte: 5\n")
-    with pytest.raises(ConfigError, match="unknown setting 'max_retained_byte'"):
+    with pytest.raises(SettingsError, match="unknown setting 'max_retained_byte'"):
         load_settings({"config": str(cfg)}, {})
 
 

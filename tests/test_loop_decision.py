@@ -62,11 +62,11 @@ C1 = {"type": "function_call", "call_id": "call_c", "name": "get_time", "argumen
         (RoundState(status="failed", gateway_calls=[G1]), Done()),
         (
             RoundState(status="completed", gateway_calls=[G1, G2, G3], tool_calls_left=2),
-            Incomplete("max_tool_calls", run=(G1, G2), omitted=(G3,)),
+            Incomplete("max_tool_calls", run=(G1, G2)),
         ),
         (
             RoundState(status="completed", gateway_calls=[G1], tool_calls_left=0, client_calls=[C1]),
-            Incomplete("max_tool_calls", run=(), omitted=(G1,)),
+            Incomplete("max_tool_calls", run=()),
         ),
         (RoundState(status="completed", gateway_calls=[G1, G2], tool_calls_left=2), Continue(run=(G1, G2))),
         (  # the tool cap fires before the iteration cap
@@ -77,7 +77,7 @@ C1 = {"type": "function_call", "call_id": "call_c", "name": "get_time", "argumen
                 inference_calls=10,
                 max_infer_iters=10,
             ),
-            Incomplete("max_tool_calls", run=(), omitted=(G1,)),
+            Incomplete("max_tool_calls", run=()),
         ),
     ],
 )

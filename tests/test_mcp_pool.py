@@ -934,14 +934,14 @@ def test_callers_with_different_api_keys_never_share_a_session() -> None:
 
 def test_pool_limits_are_settings() -> None:
     from middleware.app import build_catalog
-    from middleware.config import ConfigError, Settings, load_settings
+    from middleware.config import Settings, SettingsError, load_settings
 
     catalog = build_catalog(Settings(mcp_session_idle_timeout=5.0, mcp_idle_sessions_per_server=0))
     assert (catalog.pool.limits.idle_timeout, catalog.pool.limits.max_idle_per_server) == (5.0, 0)
     env = {"LOOPWARDEN_MCP_IDLE_SESSIONS_PER_SERVER": "65"}
-    with pytest.raises(ConfigError, match=r"mcp_idle_sessions_per_server must be in 0\.\.=64, got 65"):
+    with pytest.raises(SettingsError, match=r"mcp_idle_sessions_per_server must be in 0\.\.=64, got 65"):
         load_settings({}, env)
-    with pytest.raises(ConfigError, match="mcp_session_idle_timeout must be a positive number of seconds"):
+    with pytest.raises(SettingsError, match="mcp_session_idle_timeout must be a positive number of seconds"):
         load_settings({"mcp_session_idle_timeout": 0}, {})
 
 

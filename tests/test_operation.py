@@ -535,11 +535,11 @@ def test_models_list_passes_the_upstream_through_when_none_is_configured(upstrea
 
 
 def test_invalid_models_config_names_the_model_and_field(tmp_path: Path) -> None:
-    from middleware.config import ConfigError, load_settings
+    from middleware.config import SettingsError, load_settings
 
     cfg = tmp_path / "m.yaml"
     cfg.write_text("models:\n  alpha:\n    max_retained_bytes: 10\n")
     with pytest.raises(
-        ConfigError, match=r"models.alpha: max_retained_bytes must be in 4096..=268435456, got 10"
+        SettingsError, match=r"models.alpha: max_retained_bytes must be in 4096..=268435456, got 10"
     ):
         load_settings({"config": str(cfg)}, {})

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from middleware.app import default_upstream
-from middleware.config import ConfigError, Settings, load_settings
+from middleware.config import Settings, SettingsError, load_settings
 from middleware.ops.request_id import REQUEST_ID
 from middleware.upstream import (
     UpstreamClient,
@@ -515,7 +515,7 @@ def test_setting_from_env_file_and_flag(tmp_path: Path) -> None:
 
 
 def test_invalid_setting_names_field_and_allowed_values() -> None:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(SettingsError) as info:
         load_settings({}, {"LOOPWARDEN_UPSTREAM_CLIENT": "requests"})
     assert str(info.value) == "upstream_client must be aiohttp or httpx, got 'requests'"
 

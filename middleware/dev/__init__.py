@@ -1,1 +1,10 @@
-"""dev subpackage."""
+"""Development stand-ins: nothing here is on the request path of a configured gateway.
+
+One job per module:
+
+* `devmodel` — `create_devmodel_app`: the embedded, scripted Responses API model server.
+* `demo_tools` — `create_demo_server`: the in-process demo MCP server (``get_time``, ``calculate``).
+* `embedded` — `BackgroundServer`: uvicorn in a background thread on a loopback port.
+
+Nothing is re-exported here: import from the module.
+"""

@@ -1,9 +1,11 @@
 """The demo MCP server that ``make run`` exposes: a clock and a calculator, served in-process.
 
-`demo_catalog()` returns a `ToolCatalog` with this server under the label ``demo``, so a request
-declaring ``{"type": "mcp", "server_label": "demo", "require_approval": "never"}`` lets the
-development model call ``get_time`` ("what is get_time") or ``calculate`` ("calculate 6*7") and shows
-a multi-round loop with ``mcp_list_tools`` and ``mcp_call`` items.
+`create_demo_server()` builds it; the gateway registers it under the label ``demo`` whenever it runs
+the embedded development model (`middleware.app.build_catalog`), and `demo_catalog()` is a
+`ToolCatalog` holding it alone (for tests). A request declaring ``{"type": "mcp", "server_label":
+"demo", "require_approval": "never"}`` then lets the development model call ``get_time`` ("what is
+get_time") or ``calculate`` ("calculate 6*7") and shows a multi-round loop with ``mcp_list_tools``
+and ``mcp_call`` items.
 
 * ``get_time()`` — the current UTC time as an ISO 8601 timestamp, e.g. ``2026-01-02T03:04:05+00:00``.
 * ``calculate(expression)`` — exact arithmetic on decimal numbers with ``+ - * /``, unary signs and

@@ -72,11 +72,11 @@ class RequiresClientAction:
 
 @dataclasses.dataclass(frozen=True)
 class Incomplete:
-    """Answer ``status: "incomplete"`` with ``reason``; run ``run`` first, omit ``omitted``."""
+    """Answer ``status: "incomplete"`` with ``reason``; run ``run`` first. The round's other gateway
+    calls are not run (the loop hides them: `middleware.loop.agent.AgentLoop`)."""
 
     reason: str
     run: tuple[dict[str, Any], ...] = ()
-    omitted: tuple[dict[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ def classify_round(state: RoundState) -> LoopDecision:
         return Done()
     left = state.tool_calls_left
     if left is not None and len(gateway) > left:
-        return Incomplete("max_tool_calls", run=gateway[:left], omitted=gateway[left:])
+        return Incomplete("max_tool_calls", run=gateway[:left])
     if state.client_calls:
         return RequiresClientAction(run=gateway)
     if state.inference_calls >= state.max_infer_iters:

@@ -1,1 +1,15 @@
-"""ops subpackage."""
+"""Operating the gateway: admission control, metrics, request ids and logs, capacity planning.
+
+One job per module:
+
+* `admission` — `ProcessPool`, `RequestReservation`, `DrainState`: the per-worker budget pool,
+  load shedding and the drain.
+* `metrics` — the DESIGN.md §8 metric contract (`METRICS`) and the Prometheus singletons.
+* `request_id` — `RequestIdMiddleware` and `log_config`: ``x-request-id`` on every answer and
+  log line.
+* `redact` — `redact`, `redact_url`: operator secrets and URL credentials kept out of messages.
+* `capacity` — ``loopwarden capacity``: limits and worker memory from observed traffic.
+* `plot` — `bar_chart_png`: the dependency-free PNG chart of ``loopwarden capacity --plot``.
+
+Nothing is re-exported here: import from the module.
+"""

@@ -1,5 +1,4 @@
-"""The response store (DESIGN.md §7): stored responses and conversations, history restoration, and
-the HTTP routes over them.
+"""The response store (DESIGN.md §7): responses and conversations, history, and their routes.
 
 * `store` — `Store` and `open_store(url)`: responses, items and conversations on one schema
   (`StoredResponse`, `ChainInfo`, `Page`; `SECRET_TOOL_FIELDS` are never stored).

@@ -1,5 +1,6 @@
-"""Gateway-owned tools: MCP servers exposed to the model as function tools, and their calls run
-by the gateway (DESIGN.md §6). The rest of the gateway imports from here only (`__all__`).
+"""Gateway-owned tools: MCP servers shown to the model as function tools, their calls run here.
+
+DESIGN.md §6. The rest of the gateway imports from here only (`__all__`).
 
 Per client request the loop controller calls ``resolved = await catalog.resolve(tools, tenant=...)``
 (a `ToolCatalog` per process), asks ``resolved.gateway_tool(name)`` whether a function call is

@@ -2,12 +2,13 @@
 
 `ToolCatalog` is created once per process from the operator's servers (`McpServerConfig`) and
 ``--mcp-allow`` prefixes (`UrlAllowlist`). Once per client request, ``resolved = await
-catalog.resolve(request["tools"])`` validates the request's ``{"type": "mcp", ...}`` tools, lists
-each server's tools (cached across requests for ``--mcp-list-ttl`` seconds) and returns a
-`ResolvedTools`: function tools for the upstream (``upstream_tools``), ``mcp_list_tools`` output
-items for the client (``list_items``) and, per function name, the `GatewayTool` behind a
-gateway-owned call (``resolved.gateway_tool(name)``; None for a client-owned one). Running the calls
-is `middleware.tools.execute.run_tool_calls`, which this module does not import.
+catalog.resolve(request["tools"], tenant=owner)`` validates the request's ``{"type": "mcp", ...}``
+tools, lists each server's tools (cached across requests for ``--mcp-list-ttl`` seconds; the
+caller's ``tenant`` keys the pooled sessions) and returns a `ResolvedTools`: function tools for
+the upstream (``upstream_tools``), ``mcp_list_tools`` output items for the client (``list_items``)
+and, per function name, the `GatewayTool` behind a gateway-owned call
+(``resolved.gateway_tool(name)``; None for a client-owned one). Running the calls is
+`middleware.tools.execute.run_tool_calls`, which this module does not import.
 
 MCP sessions (listing and calls) come from the catalog's `SessionPool` (``catalog.pool``), which
 keeps them open across rounds and requests; the app's lifespan ends with ``await catalog.aclose()``.

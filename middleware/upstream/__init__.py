@@ -1,9 +1,17 @@
-"""The upstream (model server) side: the client interface, its failures, two clients, the SSE
-parser and the reader of upstream bodies under the ledger.
+"""The upstream (model server) side: client interface, failures, two clients, SSE, body reader.
 
-`protocol` (UpstreamClient, UpstreamResponse, CallTiming), `errors` (the UpstreamError tree),
-`aiohttp_client` (the default), `httpx_client` (the fallback), `sse` (parser and encoder),
-`reader` (streams and buffered bodies under the ledger).
+One job per module:
+
+* `protocol` — `UpstreamClient`, `UpstreamResponse`, `CallTiming`: the interface the loop calls.
+* `errors` — the `UpstreamError` tree, and the failures built from an error answer or event.
+* `aiohttp_client` — `AiohttpUpstream`: the default client.
+* `httpx_client` — `HttpxUpstream`: the fallback client.
+* `sse` — `SSEParser` and `encode_event`: incremental Server-Sent Events parsing and encoding.
+* `reader` — `read_stream_events`, `StreamAccumulator`, `read_buffered_body`: upstream bodies
+  read under the ledger.
+
+This package re-exports the interface and the failure tree (`__all__`); the clients and the reader
+are imported from their modules.
 """
 
 from middleware.upstream.errors import (

@@ -1,10 +1,10 @@
-"""`UpstreamClient` on aiohttp: the default upstream client (issue: performance).
+"""`AiohttpUpstream`: the `UpstreamClient` on aiohttp, the default (issue: performance).
 
-Same contract as `middleware.upstream.httpx_client.HttpxUpstream` — the same headers, timeouts, errors, metrics
-and connection handling — at a fraction of its CPU cost: measured on a bare Starlette proxy at
-concurrency 16, 0.24 ms per buffered request against httpx's 1.65 ms, and 0.4 ms per 100-event
-stream against 3.9 ms (aiohttp hands over whatever bytes have arrived; httpx one upstream chunk at
-a time). Every aiohttp failure is raised as an `UpstreamError` subclass, never bare.
+Same contract as `middleware.upstream.httpx_client.HttpxUpstream` — the same headers, timeouts,
+errors, metrics and connection handling — at a fraction of its CPU cost: measured on a bare
+Starlette proxy at concurrency 16, 0.24 ms per buffered request against httpx's 1.65 ms, and
+0.4 ms per 100-event stream against 3.9 ms (aiohttp hands over whatever bytes have arrived; httpx
+one upstream chunk at a time). Every aiohttp failure is raised as an `UpstreamError` subclass, never bare.
 """
 
 from __future__ import annotations
