@@ -1,8 +1,11 @@
 """The gateway ASGI application: routes, lifespan, and the middleware stack.
 
 `create_app(settings)` returns a Starlette app serving ``POST /v1/responses`` (buffered and
-``"stream": true``; `ResponsesApp` wrapped in `BudgetMiddleware`), ``GET /healthz`` and
-``GET /metrics``. The upstream HTTP client is created in the lifespan (one per process). Without
+``"stream": true``; `ResponsesApp` wrapped in `BudgetMiddleware`), the store routes
+(`middleware.store.routes`: ``/v1/responses/{id}``, ``/input_items``, ``/v1/conversations…``),
+``GET /v1/models``, ``GET /healthz``, ``GET /readyz`` and ``GET /metrics``; every failure of a
+plain route, an unknown path (404) and a wrong method (405, with ``Allow``) is answered by
+`middleware.outcomes`. The upstream HTTP client is created in the lifespan (one per process). Without
 ``settings.upstream`` the lifespan starts the embedded development model (`middleware.dev.devmodel`)
 on a loopback port and uses it as the upstream.
 """

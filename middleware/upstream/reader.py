@@ -8,8 +8,8 @@ and yields `UpstreamEvent`s.
 is done, finished items, the terminal response — each charged with ``admit_accumulated`` and a
 replaced snapshot released only after its replacement was admitted (DESIGN.md §4).
 `read_buffered_body` reads a JSON body under ``admit_output`` with the ``max_retained_bytes // 8``
-clamp (DESIGN.md §3). Upstream JSON is parsed without ``NaN`` / ``Infinity`` (they cannot be
-re-encoded as JSON). Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
+clamp (DESIGN.md §3). Upstream JSON holding ``NaN`` / ``Infinity`` or lone surrogates (what
+cannot be re-encoded as JSON or UTF-8) is refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
 """
 
 from __future__ import annotations
@@ -58,18 +58,38 @@ def _reject_constant(name: str) -> Any:
 
 
 def loads_upstream(data: bytes) -> Any:
-    """``json.loads`` for upstream bytes that refuses what the gateway could not re-encode:
-    ``NaN`` / ``Infinity`` and lone surrogates (``"\\ud800"``) raise `UpstreamInvalid`. The
-    surrogate check runs only on data that holds a ``\\u`` escape of one (rare: UTF-8 needs none)."""
-    obj = json.loads(data, parse_constant=_reject_constant)
-    if b"\\ud" in data or b"\\uD" in data:  # a surrogate escape: is every one paired?
-        try:
-            json.dumps(obj, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise UpstreamInvalid(
-                "upstream JSON holds a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry"
-            ) from None
-    return obj
+    """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` raise `UpstreamInvalid`."""
+    return json.loads(data, parse_constant=_reject_constant)
+
+
+def _lone_surrogate(text: str) -> bool:
+    # O(1) for ASCII text (CPython knows a string's widest character); else one encode
+    if text.isascii():
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def refuse_lone_surrogates(value: Any, where: str) -> None:
+    """Raise `UpstreamInvalid` when any string (or key) in `value` holds a lone surrogate
+    (``"\\ud800"``): no UTF-8 encoder — the client's, the store's — can write it. Walks the
+    parsed value (cost per string, not per byte: a 1 MiB ASCII text is one O(1) check)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _lone_surrogate(item):
+                raise UpstreamInvalid(
+                    f"upstream {where} holds a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry"
+                )
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 async def read_stream_events(
@@ -235,6 +255,12 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
     kind = kind if isinstance(kind, str) else event.event
     if not EVENT_TYPE.fullmatch(kind):
         raise UpstreamInvalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
+    delta = obj.get("delta")
+    if isinstance(delta, str) and kind.endswith(".delta"):  # the hot path: one string to check
+        if _lone_surrogate(delta):
+            raise UpstreamInvalid(f"upstream {kind} delta holds a lone surrogate, which UTF-8 cannot carry")
+    else:
+        refuse_lone_surrogates(obj, f"SSE event {kind}")
     return UpstreamEvent(kind, data, obj)
 
 
@@ -448,6 +474,7 @@ async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> Re
         raise UpstreamInvalid("upstream answered with a body that is not JSON") from None
     if not isinstance(parsed, dict):
         raise UpstreamInvalid("upstream answered with JSON that is not a response object")
+    refuse_lone_surrogates(parsed, "response body")
     check_response(parsed)
     output = parsed.get("output")
     items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
