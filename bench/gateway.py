@@ -5,19 +5,36 @@ Usage: ``python bench/gateway.py --upstream URL --port PORT [--store memory|sqli
 
 Default limits unless given; the same uvicorn configuration as the bare proxies
 (`proxy_bare.serve`: asyncio loop, no access log) so that only the app differs.
+
+The code served is this file's own tree, unless ``$PYTHONPATH`` names a tree with a ``middleware``
+package: then that one (``run.py --base-tree PATH`` serves an older checkout this way). The tree
+actually imported is printed at start (``gateway: serving middleware from PATH``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the first $PYTHONPATH entry with a middleware package, else this file's tree
+sys.path.insert(
+    0,
+    next(
+        (
+            p
+            for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and (Path(p) / "middleware" / "__init__.py").is_file()
+        ),
+        str(Path(__file__).resolve().parent.parent),
+    ),
+)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from proxy_bare import serve
 
+import middleware
 from middleware.app import create_app
 from middleware.config import Settings
 
@@ -34,6 +51,7 @@ def main() -> None:
     if args.max_retained_bytes is not None:
         extra["max_retained_bytes"] = args.max_retained_bytes
     settings = Settings(upstream=args.upstream, store=args.store, mcp_server=tuple(args.mcp_server), **extra)
+    print(f"gateway: serving middleware from {Path(middleware.__file__).resolve().parent.parent}", flush=True)
     serve(create_app(settings), args.port)
 
 

@@ -1,6 +1,7 @@
 """loopwarden against direct upstream, bare pass-through proxies and LiteLLM (a script, not a test).
 
-Usage: ``python bench/run.py [--quick] [--litellm PATH] [--no-litellm] [--json FILE]``
+Usage: ``python bench/run.py [--quick] [--litellm PATH] [--no-litellm] [--json FILE]
+[--base-tree PATH] [--reps N] [--only CELL ...]``
 
 Starts, each in its own process on loopback (`bench/upstream.py`, `bench/proxy_bare.py`,
 `bench/gateway.py`, `bench/mcp_server.py`, LiteLLM's proxy if found):
@@ -27,6 +28,16 @@ the ratios are measured side by side, and prints:
 
 ``--quick`` is a smoke run (under a minute); the default full run takes 6-8 minutes. Only ratios
 from one run mean anything: the machine is shared.
+
+``--base-tree PATH`` compares two trees of loopwarden in one run: it adds ``loopwarden@base`` (and
+``loopwarden@base store=memory``, the 256 MiB pair for the 1 MiB stream, ``loopwarden@base (MCP)``
+for the loop), served by this tree's `bench/gateway.py` with ``PYTHONPATH=PATH`` so that PATH's
+``middleware`` and ``budget`` are imported (checked from the gateway's start line; the base
+tree's bytecode goes to the run's temp dir, not into PATH). Each sits next to its counterpart in
+the targets of every rep, so both see the same machine. For each cell it then prints the
+per-rep ratios new/base (throughput, CPU per request, TTFE p50) with their median, and the median
+per-rep loopwarden x bare aiohttp ratios of both trees. ``--reps N`` sets the reps per cell (3 by
+default); ``--only buffered stream100:16 loop-stream:1 memory ...`` runs only those cells.
 """
 
 from __future__ import annotations
@@ -523,6 +534,30 @@ class Cell:
     def first_error(self) -> str:
         return next((s.error for s in self.samples if not s.ok), "")
 
+    def rep_figures(self) -> list[tuple[float | None, float | None, float | None]]:
+        """Per rep: throughput, CPU seconds per request (None if cut), TTFE p50 (None if not a stream)."""
+        out: list[tuple[float | None, float | None, float | None]] = []
+        for b in self.bursts:
+            ok = [s for s in b.samples if s.ok]
+            ttfe = [s.ttfe for s in ok if s.ttfe is not None]
+            out.append(
+                (
+                    len(ok) / b.elapsed if b.elapsed else None,
+                    b.cpu / len(b.samples) if b.samples and not b.cut else None,
+                    statistics.median(ttfe) if ttfe else None,
+                )
+            )
+        return out
+
+
+def rep_ratios(a: Cell, b: Cell, figure: int) -> list[float]:
+    """a / b rep by rep (the targets ran side by side in each rep) for one of `Cell.rep_figures`."""
+    return [
+        x[figure] / y[figure]
+        for x, y in zip(a.rep_figures(), b.rep_figures(), strict=False)
+        if x[figure] and y[figure]
+    ]
+
 
 # -- the tool loop ------------------------------------------------------------------------------
 def completed_output(data: bytes, stream: bool) -> list[dict[str, Any]]:
@@ -777,8 +812,45 @@ QUICK = Plan(
 )
 
 
+def wanted(only: list[str] | None, name: str, conc: int | None) -> bool:
+    """Whether ``--only`` (``NAME`` or ``NAME:C`` items) selects this cell; no ``--only``: all."""
+    return not only or name in only or f"{name}:{conc}" in only
+
+
+def check_tree(server: Server, tree: Path) -> None:
+    """The gateway must have imported `middleware` from `tree` (its start line says where from)."""
+    line = next(
+        (
+            ln
+            for ln in server.log.read_text(errors="replace").splitlines()
+            if ln.startswith("gateway: serving")
+        ),
+        "",
+    )
+    served = line.rpartition(" from ")[2]
+    if not served or Path(served).resolve() != tree.resolve():
+        raise RuntimeError(f"{server.name} serves {served or '?'}, not {tree} (log: {server.log})")
+
+
+def tree_commit(tree: Path) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["git", "-C", str(tree), "log", "-1", "--format=%h %s"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip()[:90] or "unknown commit"
+    return "unknown commit"
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if args.quick else FULL
+    if args.reps:
+        plan = dataclasses.replace(plan, reps=args.reps)
+    base_tree = Path(args.base_tree).resolve() if args.base_tree else None
+    if base_tree is not None and not (base_tree / "middleware" / "__init__.py").is_file():
+        raise SystemExit(f"--base-tree {base_tree}: no middleware package there")
     t_start = time.monotonic()
     pin = (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
     if pin:
@@ -786,9 +858,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="loopwarden-bench-"))
     procs = Processes(workdir, pin)
     results: dict[str, Any] = {"machine": machine_description(), "cells": {}, "loop": {}, "memory": []}
+    if base_tree is not None:
+        results["machine"] += f"\nloopwarden@base: {base_tree} at {tree_commit(base_tree)}"
+    results["mcp_call"] = (0.0, 0.0)
     print(results["machine"])
     print(
-        f"mode: {'quick' if args.quick else 'full'}; load generator, upstream and MCP server on core 0, "
+        f"mode: {'quick' if args.quick else 'full'}, {plan.reps} reps; load generator, upstream and MCP server on core 0, "
         f"each server under test on core 1 (pinned: {pin}); logs in {workdir}",
         flush=True,
     )
@@ -826,7 +901,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"http://127.0.0.1:{port}/v1",
             )
 
-        def gateway(name: str, *extra: str) -> Server:
+        def gateway(name: str, *extra: str, env: dict[str, str] | None = None) -> Server:
             port = free_port()
             argv = [
                 PY,
@@ -839,11 +914,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"tools={mcp_url}",
                 *extra,
             ]
-            return procs.start(name, argv, 1, f"http://127.0.0.1:{port}/v1")
+            return procs.start(name, argv, 1, f"http://127.0.0.1:{port}/v1", env=env)
 
         bare_httpx, bare_aiohttp = proxy("httpx"), proxy("aiohttp")
         lw = gateway("loopwarden")
         lw_big = gateway("loopwarden 256MiB", "--max-retained-bytes", str(256 * MIB))
+        trees = {lw.name: ROOT, lw_big.name: ROOT}
+        lw_base = lw_base_big = None
+        if base_tree is not None:
+            base_env = {"PYTHONPATH": str(base_tree), "PYTHONPYCACHEPREFIX": str(workdir / "pycache")}
+            lw_base = gateway("loopwarden@base", env=base_env)
+            lw_base_big = gateway(
+                "loopwarden@base 256MiB", "--max-retained-bytes", str(256 * MIB), env=base_env
+            )
+            trees.update({lw_base.name: base_tree, lw_base_big.name: base_tree})
         lw_sqlite = (
             gateway("loopwarden sqlite", "--store", f"sqlite:///{workdir}/lw.db") if plan.sqlite else None
         )
@@ -879,6 +963,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await wait_ready(server, path)
         if lw_sqlite:
             await wait_ready(lw_sqlite, "/healthz")
+        for server in [lw, lw_big, lw_sqlite, lw_base, lw_base_big]:
+            if server is not None:
+                await wait_ready(server, "/healthz")
+                check_tree(server, trees.get(server.name, ROOT))
         if litellm is not None:
             try:
                 await wait_ready(litellm, "/health/liveliness", timeout=90)
@@ -898,6 +986,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             Target("loopwarden", lw),
             Target("loopwarden store=memory", lw, store=None),
         ]
+        if lw_base is not None:  # each next to its counterpart
+            targets_default[4:4] = [Target("loopwarden@base", lw_base)]
+            targets_default.append(Target("loopwarden@base store=memory", lw_base, store=None))
         if lw_sqlite:
             targets_default.append(Target("loopwarden store=sqlite", lw_sqlite, store=None))
         if litellm:
@@ -907,6 +998,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             Target("loopwarden 256MiB", lw_big),
             Target("loopwarden 256MiB store=memory", lw_big, store=None),
         ]
+        if lw_base_big is not None:
+            targets_1mb[4:4] = [Target("loopwarden@base 256MiB", lw_base_big)]
+            targets_1mb[6:6] = [Target("loopwarden@base 256MiB store=memory", lw_base_big, store=None)]
 
         # what the default limits do to the 1 MiB stream (by design, DESIGN.md §4)
         probe = Client(lw.url + "/responses", 1)
@@ -922,6 +1016,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for scenario in SCENARIOS:
             targets = targets_1mb if scenario.name == "stream1mb" else targets_default
             for conc in plan.slow_concurrencies if scenario.name == "stream1mb" else (1, 16):
+                if not wanted(args.only, scenario.name, conc):
+                    continue
                 cells = {t.name: Cell() for t in targets}
                 clients = {t.name: Client(t.url, conc) for t in targets}
                 try:
@@ -975,8 +1071,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             Target("bare aiohttp (client loop)", bare_aiohttp),
             Target("loopwarden (MCP)", lw),
         ]
+        if lw_base is not None:
+            loop_targets.append(Target("loopwarden@base (MCP)", lw_base))
         for stream in (False, True):
             for conc in plan.slow_concurrencies:
+                if not wanted(args.only, "loop-stream" if stream else "loop-buffered", conc):
+                    continue
                 cells = {t.name: Cell() for t in loop_targets}
                 pool = McpPool(mcp_url)
                 await pool.open(conc)
@@ -1034,7 +1134,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
 
         # memory: peak RSS per in-flight maximum-size request against its ledger charge
-        for server in [bare_httpx, bare_aiohttp, lw, lw_big, lw_sqlite, litellm]:
+        for server in [bare_httpx, bare_aiohttp, lw, lw_big, lw_sqlite, lw_base, lw_base_big, litellm]:
             if server is not None:
                 procs.stop(server)
         hold, n = plan.mem_hold, plan.mem_inflight
@@ -1042,7 +1142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         def gw_argv(port: int) -> list[str]:
             return [PY, str(BENCH / "gateway.py"), "--upstream", upstream.url, "--port", str(port)]
 
-        for phase in plan.memory_phases:
+        for phase in plan.memory_phases if wanted(args.only, "memory", None) else ():
             port = free_port()
             base = f"http://127.0.0.1:{port}/v1"
             if phase == "input":
@@ -1125,6 +1225,76 @@ def litellm_version(binary: str) -> str:
         return "litellm " + out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "litellm version unknown"
+
+
+def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every loopwarden / loopwarden@base pair of every cell: per-rep ratios new/base (throughput,
+    CPU per request, TTFE p50) and both trees' per-rep ratios against the bare aiohttp proxy."""
+    out: list[dict[str, Any]] = []
+    for key, bare_name in (("cells", "bare aiohttp"), ("loop", "bare aiohttp (client loop)")):
+        for (scenario, conc), cells in results[key].items():
+            bare = cells.get(bare_name)
+            for name, new in cells.items():
+                base = cells.get(name.replace("loopwarden", "loopwarden@base", 1))
+                if not name.startswith("loopwarden") or "@base" in name or base is None:
+                    continue
+                row: dict[str, Any] = {
+                    "scenario": scenario if key == "cells" else f"loop-{scenario}",
+                    "c": conc,
+                }
+                row["target"] = name
+                for label, figure in (("rps", 0), ("cpu", 1), ("ttfe", 2)):
+                    row[label] = rep_ratios(new, base, figure)
+                for tree, cell in (("new", new), ("base", base)):
+                    row[f"{tree}_x_bare"] = rep_ratios(cell, bare, 0) if bare else []
+                    # CPU x bare: bare's CPU per request / this one's (a capacity ratio, higher is better)
+                    row[f"{tree}_cpu_x_bare"] = [1 / r for r in rep_ratios(cell, bare, 1)] if bare else []
+                out.append(row)
+    return out
+
+
+def med(values: list[float], reps: bool = True) -> str:
+    if not values:
+        return "-"
+    text = f"{statistics.median(values):.3f}"
+    return text + (" (" + " ".join(f"{v:.2f}" for v in values) + ")" if reps else "")
+
+
+def compare_report(results: dict[str, Any]) -> None:
+    rows = [
+        [
+            r["scenario"],
+            str(r["c"]),
+            r["target"],
+            med(r["rps"]),
+            med(r["cpu"]),
+            med(r["ttfe"]),
+            med(r["new_x_bare"], False),
+            med(r["base_x_bare"], False),
+            med(r["new_cpu_x_bare"], False),
+            med(r["base_cpu_x_bare"], False),
+        ]
+        for r in comparisons(results)
+    ]
+    if rows:
+        print_table(
+            "This tree (new) against loopwarden@base, side by side in each rep: median of the per-rep "
+            "ratios new/base (the reps in brackets; req/s: higher is better for new, CPU/req and TTFE: "
+            "lower is), and the median per-rep ratios against the bare aiohttp proxy of both trees",
+            rows,
+            [
+                "scenario",
+                "c",
+                "target",
+                "req/s new/base",
+                "CPU/req new/base",
+                "TTFE p50 new/base",
+                "new x bare",
+                "base x bare",
+                "new CPU x bare",
+                "base CPU x bare",
+            ],
+        )
 
 
 def report(results: dict[str, Any]) -> None:
@@ -1300,6 +1470,7 @@ def report(results: dict[str, Any]) -> None:
             print(
                 f"  {name:<31} {scenario:<9} c=1  TTFE p50 <= 1.2 x bare aiohttp:  {ratio(a, b):>6}  {verdict}"
             )
+    compare_report(results)
     print(f"\ntotal run time {results['elapsed']:.0f} s")
 
 
@@ -1326,12 +1497,15 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
                         "p99": cell.pct(0.99),
                         "ttfe_p50": cell.pct(0.5, "ttfe"),
                         "cpu_per_req": cell.cpu_per_request,
+                        "rep_cpu_per_req": [f[1] for f in cell.rep_figures()],
+                        "rep_ttfe_p50": [f[2] for f in cell.rep_figures()],
                         "ok": len(cell.ok),
                         "cut": cell.cut,
                         "errors": cell.errors,
                     }
                 )
     out["memory"] = [dataclasses.asdict(m) for m in results["memory"]]
+    out["compare"] = comparisons(results)
     return out
 
 
@@ -1345,6 +1519,19 @@ def main() -> None:
     )
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--base-tree",
+        metavar="PATH",
+        help="also run loopwarden@base: PATH's middleware on this tree's gateway.py (PYTHONPATH=PATH)",
+    )
+    parser.add_argument("--reps", type=int, help="reps per cell (default 3, --quick 1)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="CELL",
+        help="only these cells: buffered, stream100, stream1mb, loop-buffered, loop-stream "
+        "(each optionally :C for one concurrency), memory",
+    )
     args = parser.parse_args()
     results = asyncio.run(run(args))
     report(results)
