@@ -7,7 +7,7 @@ from typing import Final
 
 from .errors import ConfigError
 
-__all__ = ["Limits"]
+__all__ = ["Limits", "upstream_body_clamp"]
 
 MAX_INFER_ITERS_RANGE: Final = (1, 100)
 MAX_RETAINED_BYTES_RANGE: Final = (4096, 268_435_456)
@@ -61,5 +61,11 @@ class Limits:
 
     @property
     def upstream_body_clamp(self) -> int:
-        """Largest buffered upstream body read, in bytes: ``max_retained_bytes // 8``."""
-        return self.max_retained_bytes // 8
+        """Largest buffered upstream body read, in bytes: `upstream_body_clamp` of the limit."""
+        return upstream_body_clamp(self.max_retained_bytes)
+
+
+def upstream_body_clamp(max_retained_bytes: int) -> int:
+    """Largest buffered upstream body read for a ledger of `max_retained_bytes`, in bytes:
+    ``max_retained_bytes // 8`` (DESIGN.md §3; the gateway's reader takes it from its ledger)."""
+    return max_retained_bytes // 8

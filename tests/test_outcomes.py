@@ -227,3 +227,36 @@ def test_every_design_section_5_code_has_a_row() -> None:
     table_codes.add(outcomes.UPSTREAM_DEFAULT_CODE)
     missing = design_codes - table_codes
     assert not missing, sorted(missing)
+
+
+def test_only_the_outcome_table_picks_http_statuses() -> None:
+    """No module but `middleware/outcomes.py` answers with an HTTP error status: no
+    ``status=`` / ``status_code=`` argument of 400..599 and no positional one to a ``Response``
+    anywhere else in middleware/. Allowed: the dev model (a stand-in upstream), ``/readyz``'s 503
+    (a probe's answer, not a failure) and the MCP transport's answers to the MCP SDK inside
+    `middleware/tools/session.py` (never sent to a client). This is how the architecture issue's
+    "only outcomes.py maps failures to statuses" is held."""
+    import ast
+
+    allowed_files = {"middleware/outcomes.py", "middleware/dev/devmodel.py", "middleware/tools/session.py"}
+    found = []
+    for path in sorted((ROOT / "middleware").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel in allowed_files:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            values = [kw.value for kw in node.keywords if kw.arg in ("status", "status_code")]
+            name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            if name.endswith("Response") and len(node.args) > 1:
+                values.append(node.args[1])
+            for value in values:
+                if isinstance(value, ast.Constant) and type(value.value) is int and 400 <= value.value <= 599:
+                    found.append(f"{rel}:{node.lineno} {value.value}")
+    assert found == [f"middleware/app.py:{n} 503" for n in _readyz_lines()], found
+
+
+def _readyz_lines() -> list[int]:
+    source = (ROOT / "middleware/app.py").read_text(encoding="utf-8").splitlines()
+    return [i for i, line in enumerate(source, 1) if "status_code=503" in line and '"status":' in line]

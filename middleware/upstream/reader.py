@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from budget import JsonNodeCounter, JsonTooDeep, Ledger
+from budget.limits import upstream_body_clamp
 from middleware.upstream.errors import UpstreamBodyTooLarge, UpstreamIncomplete, UpstreamInvalid
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
@@ -411,7 +412,7 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
     non-whitespace byte is not ``{`` is refused at once (502 ``upstream_invalid_response``). The caller releases
     ``charge`` once the round's kept items are charged.
     """
-    clamp = ledger.limit // 8
+    clamp = upstream_body_clamp(ledger.limit)
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > clamp:
         raise UpstreamBodyTooLarge(
