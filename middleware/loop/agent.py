@@ -18,7 +18,6 @@ round's ``mcp_call`` items follow them. Failures are raised for the guard to set
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Sequence
@@ -54,14 +53,13 @@ from middleware.ops import metrics
 from middleware.state import GatewayState
 from middleware.store.history import restore_history
 from middleware.tools import ResolvedTools, ToolOutcome, refuse_tool_call, run_tool_calls
-from middleware.upstream.errors import read_limited, status_failure, stream_error_failure
+from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
-    TERMINAL_EVENTS,
     StreamAccumulator,
     no_terminal_event,
     read_response_object,
-    read_stream_events,
+    read_round,
 )
 
 T = TypeVar("T")
@@ -387,19 +385,9 @@ class AgentLoop:
 
     async def _round_stream(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         acc = StreamAccumulator(self.ctx.ledger)
-        # closed as soon as the round ends, however it ends: what the reader holds is released then
-        async with contextlib.aclosing(
-            read_stream_events(response, self.ctx.ledger, client=self.client)
-        ) as events:
-            async for event in events:
-                if event.type == "error":
-                    raise stream_error_failure(event.obj)
-                acc.apply(event)
-                if self.stitcher is not None:
-                    await self.stitcher.forward(event)
-                if event.type in TERMINAL_EVENTS:
-                    break
-        if acc.terminal is None:
+        forward = self.stitcher.forward if self.stitcher is not None else None
+        await read_round(response, self.ctx.ledger, client=self.client, acc=acc, on_event=forward)
+        if acc.terminal is None:  # a terminal event without a response object
             raise no_terminal_event()
         # The terminal event's type is the round's status: a response.failed / .incomplete never
         # runs tools, whatever its "status" field says (DESIGN.md §6).

@@ -10,7 +10,6 @@ answer to a buffered call is aggregated. Failures are raised for the guard to se
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
@@ -18,14 +17,14 @@ from middleware.loop.context import RequestContext
 from middleware.loop.items import synthesized_events
 from middleware.ops import metrics
 from middleware.state import GatewayState
-from middleware.upstream.errors import read_limited, status_failure, stream_error_failure
+from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
-    TERMINAL_EVENTS,
     StreamAccumulator,
+    UpstreamEvent,
     no_terminal_event,
     read_response_object,
-    read_stream_events,
+    read_round,
 )
 
 
@@ -72,16 +71,8 @@ class Passthrough:
 
     async def _aggregate_stream(self, response: UpstreamResponse) -> dict[str, Any]:
         acc = StreamAccumulator(self.ctx.ledger)
-        async with contextlib.aclosing(
-            read_stream_events(response, self.ctx.ledger, client=self.client)
-        ) as events:
-            async for event in events:
-                if event.type == "error":
-                    raise stream_error_failure(event.obj)
-                acc.apply(event)
-                if event.type in TERMINAL_EVENTS:
-                    break
-        if acc.terminal is None:
+        await read_round(response, self.ctx.ledger, client=self.client, acc=acc)
+        if acc.terminal is None:  # a terminal event without a response object
             raise no_terminal_event()
         final = dict(acc.terminal)
         final["output"] = acc.output()
@@ -96,19 +87,13 @@ class Passthrough:
         # Forwarded and dropped: nothing of the stream is kept on this path, so nothing is
         # accumulated (the parser's bytes and each frame's parse are still charged).
         self.client.snapshot = self._snapshot
-        async with contextlib.aclosing(
-            read_stream_events(response, self.ctx.ledger, client=self.client)
-        ) as events:
-            async for event in events:
-                if event.type == "error":
-                    raise stream_error_failure(event.obj)
-                if event.type == "response.created" and isinstance(event.obj.get("response"), dict):
-                    created = event.obj["response"]
-                    self._created = {
-                        k: created.get(k) for k in ("id", "object", "created_at", "model") if k in created
-                    }
-                await self.client.forward(event.type, event.data, event.obj, changed=event.changed)
-                if event.type in TERMINAL_EVENTS:
-                    await self.client.end()
-                    return
-        raise no_terminal_event()
+        await read_round(response, self.ctx.ledger, client=self.client, on_event=self._forward)
+        await self.client.end()
+
+    async def _forward(self, event: UpstreamEvent) -> None:
+        if event.type == "response.created" and isinstance(event.obj.get("response"), dict):
+            created = event.obj["response"]
+            self._created = {
+                k: created.get(k) for k in ("id", "object", "created_at", "model") if k in created
+            }
+        await self.client.forward(event.type, event.data, event.obj, changed=event.changed)

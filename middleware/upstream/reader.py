@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from budget import JsonNodeCounter, JsonTooDeep, Ledger
 from budget.limits import upstream_body_clamp
-from middleware.upstream.errors import UpstreamBodyTooLarge, UpstreamIncomplete, UpstreamInvalid
+from middleware.upstream.errors import (
+    UpstreamBodyTooLarge,
+    UpstreamIncomplete,
+    UpstreamInvalid,
+    stream_error_failure,
+)
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
 
@@ -322,6 +327,34 @@ def check_response(response: dict[str, Any]) -> None:
     details = response.get("incomplete_details")
     if details is not None and not isinstance(details, dict):
         raise UpstreamInvalid(f"upstream response.incomplete_details is {_type_name(details)}, not an object")
+
+
+async def read_round(
+    response: UpstreamResponse,
+    ledger: Ledger,
+    *,
+    client: ClientStream | None = None,
+    acc: StreamAccumulator | None = None,
+    on_event: Callable[[UpstreamEvent], Awaitable[None]] | None = None,
+) -> str:
+    """Read one streamed round up to its terminal event (`read_stream_events`, closed as soon as
+    the round ends, however it ends, so what the reader holds is released then): each event is
+    kept by `acc` and handed to `on_event` (forwarding); returns the terminal event's type.
+
+    Raises `UpstreamStreamError` for an in-band ``error`` event, `UpstreamIncomplete` when the
+    stream ends without a terminal event, and whatever the reader raises.
+    """
+    async with contextlib.aclosing(read_stream_events(response, ledger, client=client)) as events:
+        async for event in events:
+            if event.type == "error":
+                raise stream_error_failure(event.obj)
+            if acc is not None:
+                acc.apply(event)
+            if on_event is not None:
+                await on_event(event)
+            if event.type in TERMINAL_EVENTS:
+                return event.type
+    raise no_terminal_event()
 
 
 class StreamAccumulator:
