@@ -27,7 +27,7 @@ from budget import Limits
 from middleware import outcomes
 from middleware.asgi.auth import Authenticator
 from middleware.asgi.client_stream import ClientStream
-from middleware.asgi.intake import LIMIT_HEADERS, ClientGone, Intake
+from middleware.asgi.intake import LIMIT_HEADERS, ClientGone, Intake, IntakeConfig
 from middleware.asgi.models import ModelRouter
 from middleware.errors import DeadlineExceeded, ShuttingDown
 from middleware.loop.context import RequestContext
@@ -77,6 +77,15 @@ class BudgetMiddleware:
         self.limits = limits
         self.client_body_timeout = client_body_timeout
         self.router = router or ModelRouter(())
+        self.intake = IntakeConfig(
+            limits=limits,
+            authenticator=self.authenticator,
+            router=self.router,
+            pool=self.pool,
+            drain=drain,
+            client_body_timeout=client_body_timeout,
+            retry_after=retry_after,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,17 +104,7 @@ class _Guard:
         self.started_at = time.monotonic()
         self.counted = False
         self.client = ClientStream(send, keepalive_interval=mw.keepalive_interval, on_final=self._count)
-        self.intake = Intake(
-            scope,
-            receive,
-            limits=mw.limits,
-            authenticator=mw.authenticator,
-            router=mw.router,
-            pool=mw.pool,
-            drain=mw.drain,
-            client_body_timeout=mw.client_body_timeout,
-            retry_after=mw.retry_after,
-        )
+        self.intake = Intake(scope, receive, mw.intake)
 
     def _count(self, status: int) -> None:
         if not self.counted:

@@ -19,6 +19,7 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from starlette.types import Receive, Scope
 
@@ -65,36 +66,35 @@ def _mib(n: int) -> str:
     return f"{n / 1048576:.2f} MiB" if n >= 1048576 else f"{n} bytes"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class IntakeConfig:
+    """What every intake of one gateway shares, built once by `BudgetMiddleware`: the server-wide
+    ``limits``, the ``authenticator``, the model ``router``, the admission ``pool``, the ``drain``
+    state, ``client_body_timeout`` (seconds to receive a whole body) and ``retry_after`` (seconds
+    in a 503)."""
+
+    limits: Limits
+    authenticator: Authenticator
+    router: ModelRouter
+    pool: ProcessPool
+    drain: DrainState
+    client_body_timeout: float
+    retry_after: float
+
+
 class Intake:
     """The admission of one request (see the module docstring); `admit` returns its context.
 
     What it acquired stays on the object for the guard to settle whatever happens:
-    ``reservation`` (the pool's), ``ledger`` (the request's), ``model_label`` (the metric label)
-    and ``lowered`` (the limits this request lowered with its own headers).
+    ``reservation`` (the pool's), ``ledger`` (the request's), ``model_label`` (the metric label),
+    ``owner`` (the caller's hash) and ``lowered`` (the limits this request lowered with its own
+    headers).
     """
 
-    def __init__(
-        self,
-        scope: Scope,
-        receive: Receive,
-        *,
-        limits: Limits,
-        authenticator: Authenticator,
-        router: ModelRouter,
-        pool: ProcessPool,
-        drain: DrainState,
-        client_body_timeout: float,
-        retry_after: float,
-    ) -> None:
+    def __init__(self, scope: Scope, receive: Receive, config: IntakeConfig) -> None:
         self.scope = scope
         self.receive = receive
-        self.limits = limits
-        self.authenticator = authenticator
-        self.router = router
-        self.pool = pool
-        self.drain = drain
-        self.client_body_timeout = client_body_timeout
-        self.retry_after = retry_after
+        self.config = config
         self.owner = ""
         self.reservation: RequestReservation | None = None
         self.ledger: Ledger | None = None
@@ -103,7 +103,7 @@ class Intake:
 
     async def admit(self, client: ClientStream) -> RequestContext:
         """Run the checks; the admitted request, its ledger charged with the body."""
-        self.owner = self.authenticator.owner(self.scope)
+        self.owner = self.config.authenticator.owner(self.scope)
         limits = self.effective_limits()
         clamp = limits.request_body_clamp
         declared = self._content_length()
@@ -112,13 +112,13 @@ class Intake:
         self.reservation = self._reserve(limits, declared)
         counter = JsonNodeCounter(max_depth=DEFAULT_MAX_DEPTH)
         try:
-            async with asyncio.timeout(self.client_body_timeout):
+            async with asyncio.timeout(self.config.client_body_timeout):
                 raw = await self._read_body(clamp, limits, counter)
         except TimeoutError:
             raise BodyTimeout(
-                f"the request body was not received within {self.client_body_timeout:g} s "
+                f"the request body was not received within {self.config.client_body_timeout:g} s "
                 "(--client-body-timeout); send the whole body promptly",
-                seconds=self.client_body_timeout,
+                seconds=self.config.client_body_timeout,
             ) from None
         # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
         # the store doubles it (the persisted projection) is known only after parsing, so the
@@ -134,11 +134,11 @@ class Intake:
         if not isinstance(request, dict):
             raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
         validate_request(request)
-        route = self.router.match(request["model"])
-        if route is None and self.router.configured:
+        route = self.config.router.match(request["model"])
+        if route is None and self.config.router.configured:
             raise ModelNotFound(
                 f"the model {request['model'][:200]!r} does not exist on this gateway; "
-                f"configured models: {', '.join(sorted(self.router.labels))[:500]}",
+                f"configured models: {', '.join(sorted(self.config.router.labels))[:500]}",
                 param="model",
             )
         self.model_label = route.name if route is not None else "other"
@@ -165,7 +165,7 @@ class Intake:
     def effective_limits(self) -> Limits:
         """The server's limits, lowered by the request's ``loopwarden-max-*`` headers."""
         lowered: dict[str, int] = {}
-        base = self.limits
+        base = self.config.limits
         for name, value in self.scope.get("headers", []):
             field = LIMIT_HEADERS.get(name.lower())
             if field is None:
@@ -198,8 +198,8 @@ class Intake:
 
     def _reserve(self, limits: Limits, declared: int | None) -> RequestReservation:
         """Admission control before the body is read: refusals, else a reservation."""
-        pool = self.pool
-        if self.drain.draining:
+        pool = self.config.pool
+        if self.config.drain.draining:
             raise ShuttingDown("the gateway is shutting down; retry on another instance", refused=True)
         initial = (
             limits.max_retained_bytes
@@ -216,7 +216,8 @@ class Intake:
         reason = pool.refusal(initial)
         if reason is not None:
             raise Overloaded(
-                f"the gateway is overloaded: {reason}; retry after {self.retry_after:g} s", requested=initial
+                f"the gateway is overloaded: {reason}; retry after {self.config.retry_after:g} s",
+                requested=initial,
             )
         return pool.admit(initial)
 
