@@ -202,3 +202,20 @@ def final_response(
     elif final.get("status") in (None, "in_progress"):
         final["status"] = "completed"
     return final
+
+
+SUMMARY_TEXT_LIMIT = 256  # characters: longer strings (instructions, ...) are left out of a summary
+
+
+def response_summary(response: dict[str, Any]) -> dict[str, Any]:
+    """The scalar fields of an upstream response object (``created_at``, ``model``,
+    ``temperature``, ``truncation``, …; strings up to `SUMMARY_TEXT_LIMIT` characters), kept for
+    the ``response.failed`` event of a later failure: bounded by a constant, so keeping it needs
+    no ledger charge (the object itself is forwarded and dropped)."""
+    return {
+        key: value
+        for key, value in response.items()
+        if value is None
+        or isinstance(value, bool | int | float)
+        or (isinstance(value, str) and len(value) <= SUMMARY_TEXT_LIMIT)
+    }

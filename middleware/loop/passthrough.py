@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from middleware.loop.context import RequestContext
-from middleware.loop.items import synthesized_events
+from middleware.loop.items import response_summary, synthesized_events
 from middleware.ops import metrics
 from middleware.state import GatewayState
 from middleware.upstream.errors import read_limited, status_failure
@@ -79,8 +79,8 @@ class Passthrough:
         return final
 
     def _snapshot(self) -> dict[str, Any]:
-        """The response so far for a failure after commit: the upstream's created object (the
-        items were forwarded and dropped, not kept, on this path)."""
+        """The response so far for a failure after commit: the upstream's created object's scalar
+        fields (`response_summary`; the items were forwarded and dropped, not kept, on this path)."""
         return {**(self._created or {}), "output": []}
 
     async def _forward_stream(self, response: UpstreamResponse) -> None:
@@ -93,7 +93,5 @@ class Passthrough:
     async def _forward(self, event: UpstreamEvent) -> None:
         if event.type == "response.created" and isinstance(event.obj.get("response"), dict):
             created = event.obj["response"]
-            self._created = {
-                k: created.get(k) for k in ("id", "object", "created_at", "model") if k in created
-            }
+            self._created = response_summary(created)
         await self.client.forward(event.type, event.data, event.obj, changed=event.changed)

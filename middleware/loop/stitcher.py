@@ -14,7 +14,7 @@ from typing import Any
 
 from middleware.asgi.client_stream import ClientStream
 from middleware.ids import new_id
-from middleware.loop.items import call_arguments, public_tools, terminal_event
+from middleware.loop.items import call_arguments, public_tools, response_summary, terminal_event
 from middleware.tools import ResolvedTools
 from middleware.upstream.reader import TERMINAL_EVENTS, UpstreamEvent
 
@@ -41,6 +41,7 @@ class StreamStitcher:
         self.request = request
         self.items = items
         self.model = request.get("model")
+        self.summary: dict[str, Any] = {}  # the upstream's scalar fields (response.created)
         client.snapshot = self.snapshot
         self.next_index = 0
         self.created = False  # response.created sent
@@ -61,8 +62,9 @@ class StreamStitcher:
         return public
 
     def snapshot(self) -> dict[str, Any]:
-        """The response so far: the gateway's id and model, the client's tools, the items."""
-        base = {"id": self.response_id, "object": "response", "model": self.model}
+        """The response so far: the upstream's scalar fields (`response_summary` of its
+        ``response.created``), the gateway's id, the client's tools, the items."""
+        base = {"object": "response", "model": self.model, **self.summary}
         return {**self._public_response(base), "output": list(self.items)}
 
     async def _list_tools(self) -> None:
@@ -99,6 +101,7 @@ class StreamStitcher:
     async def _start(self, response: dict[str, Any]) -> None:
         if not self.created:
             self.created = True
+            self.summary = response_summary(response)
             created = {**self._public_response(response), "status": "in_progress", "output": []}
             await self._emit("response.created", {"type": "response.created", "response": created})
 
