@@ -197,7 +197,8 @@ OUTCOMES: Final[Mapping[str, Row]] = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Outcome:
-    """The one answer to one failure: see the module docstring. ``error``: the exception."""
+    """The one answer to one failure: see the module docstring. ``error``: the exception;
+    ``after_tools``: a gateway tool (which may have side effects) had already run."""
 
     row: str
     status: int
@@ -208,6 +209,7 @@ class Outcome:
     cap: str | None
     committed: bool
     error: BaseException | None
+    after_tools: bool = False
 
     @property
     def type(self) -> str:
@@ -256,10 +258,21 @@ def with_request_id(message: str) -> str:
     return message if rid == "-" else f"{message} [request id {rid}]"
 
 
-def resolve(exc: BaseException, *, committed: bool = False, note: str = "") -> Outcome:
+def _header(name: str, value: str) -> tuple[bytes, bytes] | None:
+    # an upstream header passed on: visible ASCII only (anything else is dropped, never a raise)
+    if value.isascii() and value.isprintable() and name.isascii():
+        return name.encode(), value.encode()
+    return None
+
+
+def resolve(
+    exc: BaseException, *, committed: bool = False, note: str = "", after_tools: bool = False
+) -> Outcome:
     """The `Outcome` of `exc` (any exception), before or after commit.
 
     ``note``: a sentence appended to the message (e.g. that the request lowered the limit itself).
+    ``after_tools``: a gateway tool already ran for this request, so a retry would run it again:
+    the failure is deterministic whatever its row (DESIGN.md §5).
     """
     key = row_of(exc)
     row = OUTCOMES[key]
@@ -284,13 +297,14 @@ def resolve(exc: BaseException, *, committed: bool = False, note: str = "") -> O
     if isinstance(exc, UpstreamStatus):
         if key == "upstream_4xx":
             status = exc.status
-        headers = [
-            (name.encode("latin-1"), value.encode("latin-1"))
+        passed = (
+            _header(name, value)
             for name, value in exc.passed_headers
             if name in PASSED_HEADERS or name.startswith(PASSED_HEADER_PREFIXES)
-        ]
+        )
+        headers = [header for header in passed if header is not None]
     if isinstance(exc, MethodNotAllowed):
-        headers.append((b"allow", exc.allow.encode("latin-1")))
+        headers.append((b"allow", exc.allow.encode("ascii", "replace")))
     if note:
         message = f"{message} {note}"
     return Outcome(
@@ -303,14 +317,15 @@ def resolve(exc: BaseException, *, committed: bool = False, note: str = "") -> O
         cap=row.cap,
         committed=committed,
         error=exc,
+        after_tools=after_tools,
     )
 
 
 def retryable(outcome: Outcome) -> bool:
-    """Whether a retry can help: not for deterministic rows, nor for passed-through upstream
-    4xx other than 409 / 429."""
+    """Whether a retry can help: not for deterministic rows, not once a gateway tool has run, nor
+    for passed-through upstream 4xx other than 409 / 429."""
     row = OUTCOMES[outcome.row]
-    if row.deterministic:
+    if row.deterministic or outcome.after_tools:
         return False
     if outcome.row == "upstream_4xx":
         return outcome.status in (409, 429)
@@ -387,8 +402,17 @@ def render_stream(outcome: Outcome, sequence: int, response: Mapping[str, Any] |
 
 
 def _dumps(obj: Any) -> bytes:
-    # the response so far may hold what the upstream sent (lone surrogates): never a raise here
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, default=str).encode()
+    # the response so far may hold what the upstream sent (lone surrogates, numbers that overflow
+    # to infinity): never a raise here, and never a token that is not JSON
+    try:
+        return json.dumps(
+            obj, separators=(",", ":"), ensure_ascii=True, default=str, allow_nan=False
+        ).encode()
+    except ValueError:
+        if isinstance(obj, dict) and isinstance(obj.get("response"), dict):
+            kept = {k: obj["response"].get(k) for k in ("id", "object", "status", "error")}
+            return _dumps({**obj, "response": kept})
+        raise
 
 
 def stored_status(outcome: Outcome | None) -> tuple[str, dict[str, Any] | None]:

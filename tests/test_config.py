@@ -98,7 +98,7 @@ def test_cli_serve_answers_with_the_embedded_dev_model() -> None:
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPWARDEN_")}
     proc = subprocess.Popen(
-        [*_cli(), "serve", "--port", str(port), "--log-level", "warning"],
+        [*_cli(), "serve", "--port", str(port), "--log-level", "warning", "--store", "memory"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,

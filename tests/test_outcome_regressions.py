@@ -422,3 +422,123 @@ def test_unknown_paths_are_404_and_every_405_carries_allow(upstream: MockUpstrea
         )
         assert r.headers.get("allow"), r.request.url
         assert r.request.method not in r.headers["allow"]
+
+
+# -- found by an attack on the refactored table (each class, not the literal input) -------------------
+@pytest.mark.parametrize("value", ["日本", "€5", "ok\u0085"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_header_that_is_not_plain_ascii_is_dropped_not_a_500(
+    upstream: MockUpstream, value: str, stream: bool
+) -> None:
+    envelope = json.dumps({"error": {"message": "slow down", "code": "rate_limit_exceeded"}}).encode()
+    headers = [
+        ("content-type", "application/json"),
+        ("x-ratelimit-remaining-requests", value),
+        ("retry-after", "3"),
+    ]
+    upstream.push(Reply(status=429, headers=headers, parts=[envelope]))
+    with gateway(upstream) as (url, _):
+        r = post(url, {"model": "m", "input": "x", "stream": stream})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "x-ratelimit-remaining-requests" not in r.headers and r.headers["retry-after"] == "3"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_number_that_overflows_to_infinity_is_502_never_re_sent_as_infinity(
+    upstream: MockUpstream, tmp_path: Path, stream: bool
+) -> None:
+    db = tmp_path / "lw.db"
+    body = json.dumps(response_obj([message_item("ok")])).encode()[:-1] + b',"temperature":1e999}'
+    if stream:
+        upstream.push(
+            Reply.sse(
+                [
+                    *PRE(),
+                    b"event: response.completed\ndata: "
+                    + b'{"type":"response.completed","sequence_number":2,"response":'
+                    + body
+                    + b"}\n\n",
+                ]
+            )
+        )
+    else:
+        upstream.push(Reply.json(body))
+    with gateway(upstream, store=f"sqlite:///{db}") as (url, _):
+        r = post(url, {"model": "m", "input": "x", "stream": stream})
+    assert b"Infinity" not in r.content
+    if stream:
+        events = sse_events(r.content)
+        assert events[-2][1]["code"] == "upstream_invalid_response"
+        assert stored_statuses(db)[events[0][1]["response"]["id"]][0] == "failed"
+    else:
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_invalid_response"
+
+
+def test_a_frame_whose_data_has_no_type_is_sent_with_the_type_its_event_line_names(
+    upstream: MockUpstream,
+) -> None:
+    untyped = b'event: response.output_text.delta\ndata: {"sequence_number":2,"output_index":0,"content_index":0,"item_id":"msg_1","delta":"a"}\n\n'
+    upstream.push(Reply.sse([*PRE(), untyped, DONE(3, [message_item("a")])]))
+    with gateway(upstream) as (url, _):
+        r = post(url, {"model": "m", "input": "x", "stream": True, "store": False})
+    for event, data in _frames(r.content)[:-1]:
+        assert event == json.loads(data)["type"], (event, data)
+
+
+@pytest.mark.parametrize("reply", ["503", "reset"])
+def test_a_failure_after_a_gateway_tool_ran_is_not_retried(upstream: MockUpstream, reply: str) -> None:
+    """A retry would run the tool (and its side effects) again: x-should-retry: false, and the
+    official SDK with its default retries makes exactly one request."""
+    from tests.mock_upstream import RST
+    from tests.test_loop_e2e import LOG, build_server, fc_reply
+
+    failing = Reply.json({"error": {"message": "busy"}}, status=503) if reply == "503" else Reply(parts=[RST])
+    LOG.__init__()  # type: ignore[misc]
+    with serve_asgi(build_server().streamable_http_app()) as mcp:
+        upstream.push(fc_reply(FC("call_1", "lookup", "{}")), failing)
+        tools = [{"type": "mcp", "server_label": "tools", "require_approval": "never"}]
+        with gateway(upstream, mcp_server=(f"tools={mcp}/mcp",), max_retained_bytes=4 * B) as (url, _):
+            r = post(url, {"model": "m", "input": "x", "tools": tools})
+            upstream.push(fc_reply(FC("call_2", "lookup", "{}")), failing, failing, failing)
+            with pytest.raises(openai.APIStatusError):
+                sdk(url, max_retries=2).responses.create(model="m", input="x", tools=tools)  # type: ignore[arg-type]
+    assert r.status_code == 502 and r.headers["x-should-retry"] == "false"
+    assert LOG.count("lookup") == 2  # once per client request: the SDK did not retry the second
+    assert len(upstream.requests) == 4
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"error": {"message": "model overloaded", "code": "overloaded"}}, {"id": "r", "object": "response"}],
+    ids=["error-envelope", "no-output"],
+)
+@pytest.mark.parametrize("store", [False, True])
+def test_a_success_status_without_a_response_object_is_502(
+    upstream: MockUpstream, body: dict[str, Any], store: bool
+) -> None:
+    upstream.push(Reply.json(body))
+    with gateway(upstream) as (url, _):
+        r = post(url, {"model": "m", "input": "x", "store": store})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_invalid_response", r.text
+
+
+@pytest.mark.parametrize("store", [None, True, False])
+def test_every_response_snapshot_of_a_stream_shows_the_clients_store(
+    upstream: MockUpstream, store: bool | None
+) -> None:
+    """The upstream is always called with store: false (the gateway owns the history); the
+    client's own setting is what every response object of its stream shows."""
+    upstream.push(Reply.sse([*PRE(), text_delta(2, "a"), DONE(3, [message_item("a")])]))
+    body: dict[str, Any] = {
+        "model": "m",
+        "input": "x",
+        "stream": True,
+        "tools": [{"type": "function", "name": "f"}],
+    }
+    if store is not None:
+        body["store"] = store
+    with gateway(upstream) as (url, _):
+        r = post(url, body)
+    # store: false takes the pass-through: the upstream's own objects, which saw the client's store
+    shown = [data["response"].get("store", False) for _, data in sse_events(r.content) if "response" in data]
+    assert shown and set(shown) == {store is not False}, shown

@@ -35,7 +35,7 @@ def test_two_workers_report_aggregated_counters_whichever_answers() -> None:
     env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     cli = str(Path(sys.executable).parent / "loopwarden")
     proc = subprocess.Popen(
-        [cli, "serve", "--port", str(port), "--workers", "2", "--log-level", "warning"],
+        [cli, "serve", "--port", str(port), "--workers", "2", "--log-level", "warning", "--store", "memory"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -28,13 +28,13 @@ plus one event by default): bounded per request by a constant, and not charged t
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from typing import Any
 
 from starlette.types import Message, Send
 
 from middleware import outcomes
+from middleware.upstream.reader import dumps_checked
 from middleware.upstream.sse import KEEPALIVE, encode_event
 
 FLUSH_BYTES = 64 * 1024  # buffered frame bytes that trigger a flush without waiting
@@ -180,7 +180,7 @@ class ClientStream:
         await self.start_stream()
         obj["sequence_number"] = self.next_sequence
         self.next_sequence += 1
-        data = json.dumps(obj, separators=(",", ":")).encode()
+        data = dumps_checked(obj)  # what the upstream sent may not re-encode (1e999)
         await self({"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True})
 
     async def forward(

@@ -216,13 +216,19 @@ class _Guard:
         if self.client.finished:
             return
         code_limit = None
-        outcome = outcomes.resolve(exc, committed=self.client.committed)
-        field = _LOWERABLE.get(outcome.code)
-        note = ""
-        if field is not None and field in self.intake.lowered:
-            header = next(name for name, f in LIMIT_HEADERS.items() if f == field).decode()
-            note = f"(this request lowered {field} with its {header} header: send a larger value or none)"
-            outcome = outcomes.resolve(exc, committed=self.client.committed, note=note)
+        after_tools = ctx is not None and ctx.hooks.tools_ran
+        try:
+            outcome = outcomes.resolve(exc, committed=self.client.committed, after_tools=after_tools)
+            field = _LOWERABLE.get(outcome.code)
+            if field is not None and field in self.intake.lowered:
+                header = next(name for name, f in LIMIT_HEADERS.items() if f == field).decode()
+                note = f"(this request lowered {field} with its {header} header: send a larger value or none)"
+                outcome = outcomes.resolve(
+                    exc, committed=self.client.committed, note=note, after_tools=after_tools
+                )
+        except Exception as defect:  # the table itself failed on this input: still one answer
+            log.exception("could not resolve the outcome of %r", exc)
+            outcome, field = outcomes.resolve(defect, committed=self.client.committed), None
         if ctx is not None:
             code_limit = getattr(ctx.limits, field) if field is not None else None
         outcomes.record(outcome, owner=self.intake.owner, limit=code_limit)

@@ -303,12 +303,16 @@ async def _create_response(request: Request) -> Response:
     headers = {"x-request-id": f"req_{uuid.uuid4().hex}"}
     if body.get("stream"):
         headers["cache-control"] = "no-cache"
-        return StreamingResponse(_sse_frames(response), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_sse_frames(response, request), media_type="text/event-stream", headers=headers)
     return JSONResponse(response, headers=headers)
 
 
-async def _sse_frames(response: JSONObject) -> AsyncIterator[bytes]:
-    for event in response_events(response):
+async def _sse_frames(response: JSONObject, request: Request) -> AsyncIterator[bytes]:
+    """The answer's SSE frames; stops once the gateway has hung up (checked every 64 frames), so a
+    long answer is not written into a closed socket frame by frame."""
+    for count, event in enumerate(response_events(response)):
+        if count % 64 == 63 and await request.is_disconnected():
+            return
         data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
         yield f"event: {event['type']}\ndata: {data}\n\n".encode()
 

@@ -57,6 +57,7 @@ from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
     StreamAccumulator,
+    dumps_checked,
     no_terminal_event,
     read_response_object,
     read_round,
@@ -258,6 +259,7 @@ class AgentLoop:
     async def _run_tools(self, calls: Sequence[dict[str, Any]]) -> list[ToolOutcome]:
         if not calls:
             return []
+        self.ctx.hooks.tools_ran = True  # from now on a retry would run them again
         settings = self.state.settings
         if self.stitcher is not None:
             for call in calls:
@@ -350,7 +352,7 @@ class AgentLoop:
             usage=self.usage,
             incomplete=decision.reason if isinstance(decision, Incomplete) else None,
         )
-        raw = json.dumps(final, separators=(",", ":")).encode()
+        raw = dumps_checked(final)
         self.ctx.ledger.admit_terminal(raw)
         await self.client.flush()  # the last round's events do not wait for the store
         await self.recorder.finished(final)

@@ -25,9 +25,11 @@ PersistFailure = Callable[[str, "dict[str, Any] | None"], Awaitable[None]]
 
 @dataclasses.dataclass(eq=False)
 class RequestHooks:
-    """What the loop offers the guard once the response object exists: ``persist_failure``."""
+    """What the loop tells the guard: ``persist_failure`` once the response object exists, and
+    ``tools_ran`` once a gateway tool has run (a retry would run it again: deterministic)."""
 
     persist_failure: PersistFailure | None = None
+    tools_ran: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -9,12 +9,12 @@ a streamed call buffered).
 
 from __future__ import annotations
 
-import json
 import time
 from typing import TYPE_CHECKING, Any
 
 from middleware.store.store import SECRET_TOOL_FIELDS
 from middleware.tools import ToolOutcome
+from middleware.upstream.reader import dumps_checked
 
 if TYPE_CHECKING:
     from middleware.store.history import Restored
@@ -150,7 +150,8 @@ def upstream_body(
     own string when `keep_text` and nothing was added), ``store: false`` and no
     ``previous_response_id`` / ``conversation`` / ``max_tool_calls`` (the gateway owns the
     history), ``reasoning.encrypted_content`` included, and ``tool_choice: "auto"`` after the
-    first round (`rounds` is this call's number, from 1)."""
+    first round (`rounds` is this call's number, from 1). Raises `UpstreamInvalid` when the items
+    so far hold a number JSON cannot carry (`dumps_checked`)."""
     body = dict(request)
     if "tools" in body or tools:
         body["tools"] = tools
@@ -166,7 +167,7 @@ def upstream_body(
     body["include"] = include
     if rounds > 1:
         body["tool_choice"] = "auto"
-    return json.dumps(body, separators=(",", ":")).encode()
+    return dumps_checked(body)
 
 
 def final_response(

@@ -10,7 +10,6 @@ answer to a buffered call is aggregated. Failures are raised for the guard to se
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from middleware.loop.context import RequestContext
@@ -22,6 +21,7 @@ from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
     StreamAccumulator,
     UpstreamEvent,
+    dumps_checked,
     no_terminal_event,
     read_response_object,
     read_round,
@@ -50,7 +50,7 @@ class Passthrough:
                 await self._forward_stream(response)
             elif is_sse:
                 final = await self._aggregate_stream(response)
-                await self._answer_json(json.dumps(final, separators=(",", ":")).encode())
+                await self._answer_json(dumps_checked(final))
             else:
                 answer = await read_response_object(response, self.ctx.ledger)
                 if self.ctx.stream:  # a server that ignored "stream": the client still gets SSE

@@ -59,6 +59,7 @@ class StreamStitcher:
         public["id"] = self.response_id
         public["tools"] = public_tools(self.request.get("tools"))
         public["tool_choice"] = self.request.get("tool_choice", "auto")
+        public["store"] = self.request.get("store") is not False  # the client's, not the upstream call's
         return public
 
     def snapshot(self) -> dict[str, Any]:

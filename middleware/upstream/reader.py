@@ -68,6 +68,18 @@ def loads_upstream(data: bytes) -> Any:
     return json.loads(data, parse_constant=_reject_constant)
 
 
+def dumps_checked(obj: Any) -> bytes:
+    """Compact JSON of `obj` for the client or the upstream, refusing what JSON cannot carry: an
+    upstream number that overflowed to infinity (``1e999``) or NaN raises `UpstreamInvalid`
+    (``json.dumps`` would write ``Infinity``, which no JSON parser accepts)."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        raise UpstreamInvalid(
+            "upstream JSON holds a number out of range (it overflows to infinity)"
+        ) from None
+
+
 def _lone_surrogate(text: str) -> bool:
     # O(1) for ASCII text (CPython knows a string's widest character); else one encode
     if text.isascii():
@@ -257,8 +269,9 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
         raise UpstreamInvalid(f"upstream SSE data is not JSON: {data[:80]!r}") from None
     if not isinstance(obj, dict):
         raise UpstreamInvalid("upstream SSE data is not a JSON object")
-    kind = obj.get("type")
-    kind = kind if isinstance(kind, str) else event.event
+    raw_kind = obj.get("type")
+    named = isinstance(raw_kind, str)
+    kind: str = raw_kind if isinstance(raw_kind, str) else event.event
     if not EVENT_TYPE.fullmatch(kind):
         raise UpstreamInvalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
     delta = obj.get("delta")
@@ -267,6 +280,9 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
             raise UpstreamInvalid(f"upstream {kind} delta holds a lone surrogate, which UTF-8 cannot carry")
     else:
         refuse_lone_surrogates(obj, f"SSE event {kind}")
+    if not named:  # the data must carry the type its `event:` line names (Open Responses)
+        obj["type"] = kind
+        return UpstreamEvent(kind, data, obj, changed=True)
     return UpstreamEvent(kind, data, obj)
 
 
@@ -509,6 +525,12 @@ async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> Re
     if not isinstance(parsed, dict):
         raise UpstreamInvalid("upstream answered with JSON that is not a response object")
     refuse_lone_surrogates(parsed, "response body")
+    if not isinstance(parsed.get("output"), list):  # e.g. an error envelope answered with a 2xx
+        error = parsed.get("error")
+        said = f": {str(error.get('message'))[:200]}" if isinstance(error, dict) else ""
+        raise UpstreamInvalid(
+            f"upstream answered a success status with no response object (no output list){said}"
+        )
     check_response(parsed)
     output = parsed.get("output")
     items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
