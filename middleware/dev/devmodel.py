@@ -303,7 +303,9 @@ async def _create_response(request: Request) -> Response:
     headers = {"x-request-id": f"req_{uuid.uuid4().hex}"}
     if body.get("stream"):
         headers["cache-control"] = "no-cache"
-        return StreamingResponse(_sse_frames(response, request), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(
+            _sse_frames(response, request), media_type="text/event-stream", headers=headers
+        )
     return JSONResponse(response, headers=headers)
 
 
