@@ -176,6 +176,8 @@ def test_pool_never_exceeds_its_budget_or_goes_negative(ops: list[tuple[str, int
         elif op == "close" and live:
             live.pop(n % len(live)).close()
         assert 0 <= pool.reserved <= pool.budget
+        assert pool.charged == sum(r.charged for r in live)  # the live gauge is the sum of the ledgers
+        assert 0 <= pool.charged <= pool.reserved
         assert all(r.charged <= r.held or r.held == 0 for r in live)
     for res in live:
         res.close()
