@@ -181,7 +181,7 @@ def test_pool_never_exceeds_its_budget_or_goes_negative(ops: list[tuple[str, int
         assert all(r.charged <= r.held or r.held == 0 for r in live)
     for res in live:
         res.close()
-    assert pool.reserved == 0 and pool.requests == 0
+    assert pool.reserved == 0 and pool.requests == 0 and pool.charged == 0
 
 
 def test_memory_pressure_sheds_new_requests_and_readyz_reports_it(upstream: MockUpstream) -> None:
