@@ -45,10 +45,10 @@ UNDECLARED_METRICS: Mapping[str, str] = {
 #: so they are put on "real clients" (per-caller share, slow clients, connection cap) by
 #: inference: correct the entry if another issue builds one.
 PENDING_CAP_LIMITS: Mapping[str, str] = {
-    "caller_share": 'issue "real clients" (one caller\'s share of the process pool, DESIGN §4)',
-    "client_write_timeout": 'issue "real clients" (--client-write-timeout, DESIGN §5)',
-    "header_timeout": 'issue "real clients"',
-    "max_connections": 'issue "real clients"',
+    "caller_share": 'issue "memory truth" (one caller\'s share of the process pool, DESIGN §4)',
+    "client_write_timeout": 'issue "hostile network" (--client-write-timeout, DESIGN §5)',
+    "header_timeout": 'issue "hostile network" (idle sockets that never send a request)',
+    "max_connections": 'issue "hostile network" (file descriptors held by idle connections)',
     "websocket_lifetime": 'issue "WebSocket mode"',
     "websocket_idle": 'issue "WebSocket mode"',
     "websocket_message_size": 'issue "WebSocket mode"',
