@@ -215,22 +215,20 @@ class _Guard:
         """The one answer to `exc`: record it, store it, then answer it."""
         if self.client.finished:
             return
-        code_limit = None
         after_tools = ctx is not None and ctx.hooks.tools_ran
+        committed = self.client.committed
         try:
-            outcome = outcomes.resolve(exc, committed=self.client.committed, after_tools=after_tools)
-            field = _LOWERABLE.get(outcome.code)
+            # a limit the request lowered with its own header: the message says so
+            field = _LOWERABLE.get(outcomes.OUTCOMES[outcomes.row_of(exc)].code or "")
+            note = ""
             if field is not None and field in self.intake.lowered:
                 header = next(name for name, f in LIMIT_HEADERS.items() if f == field).decode()
                 note = f"(this request lowered {field} with its {header} header: send a larger value or none)"
-                outcome = outcomes.resolve(
-                    exc, committed=self.client.committed, note=note, after_tools=after_tools
-                )
+            outcome = outcomes.resolve(exc, committed=committed, note=note, after_tools=after_tools)
         except Exception as defect:  # the table itself failed on this input: still one answer
             log.exception("could not resolve the outcome of %r", exc)
-            outcome, field = outcomes.resolve(defect, committed=self.client.committed), None
-        if ctx is not None:
-            code_limit = getattr(ctx.limits, field) if field is not None else None
+            outcome, field = outcomes.resolve(defect, committed=committed), None
+        code_limit = getattr(ctx.limits, field) if ctx is not None and field is not None else None
         outcomes.record(outcome, owner=self.intake.owner, limit=code_limit)
         if ctx is not None:
             await self._persist(ctx, outcome)
