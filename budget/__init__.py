@@ -19,11 +19,12 @@ from .errors import (
     Phase,
     PoolExhausted,
 )
+from .features import JsonFeatures
 from .jsonstrict import loads_strict, locate_invalid
 from .ledger import ChargePool, Ledger
 from .limits import Limits
-from .model import ChargeModel
-from .nodes import DEFAULT_MAX_DEPTH, JsonNodeCounter, count_json_nodes
+from .model import ChargeModel, ParsePrices
+from .nodes import DEFAULT_MAX_DEPTH, JsonNodeCounter, count_json_nodes, json_features
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -32,15 +33,18 @@ __all__ = [
     "ChargeModel",
     "ChargePool",
     "ConfigError",
+    "JsonFeatures",
     "JsonInvalid",
     "JsonNodeCounter",
     "JsonRejected",
     "JsonTooDeep",
     "Ledger",
     "Limits",
+    "ParsePrices",
     "Phase",
     "PoolExhausted",
     "count_json_nodes",
+    "json_features",
     "loads_strict",
     "locate_invalid",
 ]

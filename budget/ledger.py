@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from .errors import BudgetExceeded, ConfigError, Phase, PoolExhausted
+from .features import JsonFeatures
 from .model import ChargeModel
-from .nodes import count_json_nodes
+from .nodes import count_json_nodes, json_features
 
 __all__ = ["ChargePool", "Ledger"]
 
@@ -152,14 +153,32 @@ class Ledger:
 
     # --- admissions ----------------------------------------------------------------------------
 
-    def admit_input(self, raw: BytesLike, nodes: int | None = None) -> int:
+    def admit_input(
+        self, raw: BytesLike, nodes: int | None = None, *, features: JsonFeatures | None = None
+    ) -> int:
         """Charge the initial create body before it is parsed.
 
-        ``(32*len(raw) + 256*nodes)``, × 2 with store (default model). Phase ``input``.
+        Reference model: ``(32*len(raw) + 256*nodes)``, × 2 with store. Measured model:
+        `ChargeModel.measured_input` of ``features`` (counted here when not given). Phase
+        ``input``.
         """
         m, store, n = self._model, self._store, len(raw)
-        self._fits("input", m.input_charge(n, 0, store))
+        self._fits("input", m.input_floor(n, store))
+        if m.parse is not None:
+            f = features if features is not None else json_features(raw)
+            return self._commit("input", m.measured_input(f, store))
         return self._commit("input", m.input_charge(n, self._nodes(raw, nodes), store))
+
+    def admit_output_parse(self, features: JsonFeatures) -> int:
+        """The rest of a buffered upstream body's charge once it is complete and before it is
+        parsed (measured model: `ChargeModel.measured_output` minus what `admit_output` charged
+        for its chunks; reference model: 0, its chunks carry the whole price). Phase ``output``."""
+        m = self._model
+        if m.parse is None:
+            return 0
+        return self._commit(
+            "output", m.measured_output(features, self._store) - m.output_floor(features.nbytes)
+        )
 
     def admit_output(self, raw: BytesLike, nodes: int | None = None) -> int:
         """Charge a buffered upstream body (or the next chunk of one) while it is held and parsed.
@@ -170,6 +189,8 @@ class Ledger:
         Phase ``output``.
         """
         m, store, n = self._model, self._store, len(raw)
+        if m.parse is not None:  # measured: the chunk and its joined copy; the parse comes later
+            return self._commit("output", m.output_floor(n, store))
         self._fits("output", m.output_charge(n, 0, store))
         return self._commit("output", m.output_charge(n, self._nodes(raw, nodes), store))
 
@@ -221,6 +242,10 @@ class Ledger:
         honest. Phase ``accumulated``.
         """
         m, store, n = self._model, self._store, len(data)
+        if m.parse is not None:
+            raw = data if isinstance(data, bytes) else bytes(data)
+            f = None if nodes == 0 else json_features(raw)
+            return self._commit("accumulated", m.measured_accumulated(raw, f, store))
         self._fits("accumulated", m.accumulated_charge(n, 0, store))
         return self._commit("accumulated", m.accumulated_charge(n, self._nodes(data, nodes), store))
 
@@ -233,6 +258,9 @@ class Ledger:
         """Charge a gateway tool result before it is kept: ``(32*len + 256*nodes)``, × 2 with
         store. Phase ``tool_result``."""
         m, store, n = self._model, self._store, len(raw)
+        if m.parse is not None:  # a tool result is text, fed back as a JSON string
+            text = raw if isinstance(raw, bytes) else bytes(raw)
+            return self._commit("tool_result", m.measured_tool_result(text, store))
         self._fits("tool_result", m.tool_result_charge(n, 0, store))
         return self._commit("tool_result", m.tool_result_charge(n, self._nodes(raw, nodes), store))
 

@@ -48,8 +48,9 @@ from operator import sub
 from typing import Final
 
 from .errors import JsonTooDeep
+from .features import FeatureTally, JsonFeatures
 
-__all__ = ["DEFAULT_MAX_DEPTH", "JsonNodeCounter", "count_json_nodes"]
+__all__ = ["DEFAULT_MAX_DEPTH", "JsonFeatures", "JsonNodeCounter", "count_json_nodes", "json_features"]
 
 DEFAULT_MAX_DEPTH: Final = 128
 """The gateway's nesting cap for client JSON (DESIGN.md §3 order of checks)."""
@@ -117,9 +118,20 @@ class JsonNodeCounter:
     is spent and every further `feed` raises the same error. Not thread-safe (one per payload).
     """
 
-    __slots__ = ("_bs", "_error", "_in_string", "_num", "depth", "max_depth", "max_depth_seen", "nodes")
+    __slots__ = (
+        "_bs",
+        "_error",
+        "_in_string",
+        "_num",
+        "_tally",
+        "depth",
+        "max_depth",
+        "max_depth_seen",
+        "nbytes",
+        "nodes",
+    )
 
-    def __init__(self, max_depth: int | None = DEFAULT_MAX_DEPTH) -> None:
+    def __init__(self, max_depth: int | None = DEFAULT_MAX_DEPTH, *, features: bool = False) -> None:
         if max_depth is not None and (
             not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 1
         ):
@@ -135,6 +147,17 @@ class JsonNodeCounter:
         self._bs = False  # an unpaired backslash ended the previous chunk
         self._num = False  # the last byte outside strings was a number byte
         self._error: JsonTooDeep | None = None
+        self.nbytes = 0
+        """Bytes fed so far."""
+        self._tally: FeatureTally | None = FeatureTally() if features else None
+
+    def features(self) -> JsonFeatures:
+        """What the measured charge model prices, for the bytes fed so far (`JsonFeatures`).
+
+        Only for a counter made with ``features=True`` (else `ValueError`)."""
+        if self._tally is None:
+            raise ValueError("this JsonNodeCounter was made without features=True")
+        return self._tally.result(self.nbytes, self.nodes)
 
     @property
     def in_string(self) -> bool:
@@ -151,6 +174,7 @@ class JsonNodeCounter:
             raise self._error
         data = chunk if isinstance(chunk, bytes) else bytes(chunk)
         n = len(data)
+        self.nbytes += n
         if n <= _PIECE:
             if n:
                 self._piece(data)
@@ -160,6 +184,9 @@ class JsonNodeCounter:
         return self.nodes
 
     def _piece(self, x: bytes) -> None:
+        tally = self._tally
+        if tally is not None:
+            tally.raw(x)
         if self._bs:  # the previous chunk ended with an unpaired backslash: it escapes x[0]
             self._bs = False
             self._num = False
@@ -178,10 +205,15 @@ class JsonNodeCounter:
                 x = x.replace(b"\\\\", b"__")
                 m = _CONTINUE_RE.match(x)
             if m is None:
+                if tally is not None:
+                    tally.open_segment(x)
                 return  # the whole piece is inside the string
             self._in_string = False
             self._num = False
             end = m.end()
+            if tally is not None:
+                tally.open_segment(x[: end - 1])
+                tally.close_open()
             if end == len(x):
                 return
             x = x[end:]
@@ -190,19 +222,34 @@ class JsonNodeCounter:
             quotes = len(parts) - 1
             nodes = (quotes + 1) >> 1
             out = b" ".join(parts[0::2])
+            if tally is not None:
+                strings = parts[1::2]
+                if quotes & 1:
+                    tally.plain_strings(strings[:-1], x.isascii())
+                    tally.open_segment(strings[-1], new=True)
+                else:
+                    tally.plain_strings(strings, x.isascii())
             if quotes & 1:  # the last string runs to the end of the piece
                 self._in_string = True
         else:
+            subject = x
             out, nodes = _STRING_RE.subn(b" ", x)
             if _LONG in out:  # a long backslash run may hide a quote's meaning: pair them first
-                out, nodes = _STRING_RE.subn(b" ", x.replace(b"\\\\", b"__"))
+                subject = x.replace(b"\\\\", b"__")
+                out, nodes = _STRING_RE.subn(b" ", subject)
+            if tally is not None:
+                tally.escaped_strings(_STRING_RE.findall(subject))
             if _QUOTE in out:
                 m = _OPEN_RE.search(out)
                 if m is not None:  # an unterminated string runs to the end of the piece
                     nodes += 1
+                    if tally is not None:
+                        tally.open_segment(out[m.end() :], new=True)
                     out = out[: m.start()]
                     self._in_string = True
         if out:
+            if tally is not None:
+                tally.outside(out, self._num)
             nodes += out.count(b"{") + out.count(b"[") + out.count(b"t") + out.count(b"f") + out.count(b"n")
             classes = out.translate(_NUM_CLASS)
             nodes += classes.count(b"01")
@@ -239,6 +286,15 @@ class JsonNodeCounter:
         if deepest > self.max_depth_seen:
             self.max_depth_seen = deepest
         self.depth = depth
+
+
+def json_features(data: bytes | bytearray | memoryview, *, max_depth: int | None = None) -> JsonFeatures:
+    """The `JsonFeatures` of ``data`` (one-shot `JsonNodeCounter` with ``features=True``), in the
+    same single lexical pass that counts nodes. Never raises on malformed JSON (only
+    `JsonTooDeep` when ``max_depth`` is given and exceeded)."""
+    counter = JsonNodeCounter(max_depth=max_depth, features=True)
+    counter.feed(data)
+    return counter.features()
 
 
 def count_json_nodes(data: bytes | bytearray | memoryview, *, max_depth: int | None = None) -> int:

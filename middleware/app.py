@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from budget import ChargeModel
 from middleware import outcomes
 from middleware.asgi.auth import Authenticator
 from middleware.asgi.guard import BudgetMiddleware
@@ -246,6 +247,7 @@ def create_app(
         request_deadline=settings.request_deadline,
         retry_after=settings.retry_after,
         keepalive_interval=settings.keepalive_interval,
+        charge_model=ChargeModel.named(settings.charge_model),
     )
 
     async def readyz(request: Request) -> Response:

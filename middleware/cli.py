@@ -52,6 +52,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=int,
         help="retained-bytes budget per request, 4096..=268435456 (default 67108864)",
     )
+    p.add_argument(
+        "--charge-model",
+        help="ledger prices: measured (default; what CPython really retains) or reference (DESIGN.md §4 numbers)",
+    )
     p.add_argument("--client-body-timeout", type=float, help="seconds to receive a request body (default 30)")
     p.add_argument(
         "--keepalive-interval", type=float, help="seconds between SSE keep-alive comments (default 15)"

@@ -50,6 +50,7 @@ class Settings:
     upstream_client: str = "aiohttp"
     max_infer_iters: int = 10
     max_retained_bytes: int = 67_108_864
+    charge_model: str = "measured"
     client_body_timeout: float = 30.0
     keepalive_interval: float = 15.0
     workers: int = 1
@@ -146,6 +147,8 @@ class Settings:
             )
         if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
             raise SettingsError(f"upstream must be an http:// or https:// URL, got {self.upstream!r}")
+        if self.charge_model not in ("measured", "reference"):
+            raise SettingsError(f"charge_model must be measured or reference, got {self.charge_model!r}")
         if self.upstream_client not in ("aiohttp", "httpx"):
             raise SettingsError(f"upstream_client must be aiohttp or httpx, got {self.upstream_client!r}")
         if self.log_format not in ("text", "json"):

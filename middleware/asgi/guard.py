@@ -23,7 +23,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from budget import Limits
+from budget import ChargeModel, Limits
 from middleware import outcomes
 from middleware.asgi.auth import Authenticator
 from middleware.asgi.client_stream import ClientStream
@@ -66,6 +66,7 @@ class BudgetMiddleware:
         retry_after: float = 1.0,
         keepalive_interval: float = 15.0,
         drain: DrainState = DRAIN,
+        charge_model: ChargeModel | None = None,
     ) -> None:
         self.app = app
         self.authenticator = authenticator or Authenticator(())
@@ -85,6 +86,7 @@ class BudgetMiddleware:
             drain=drain,
             client_body_timeout=client_body_timeout,
             retry_after=retry_after,
+            charge_model=charge_model or ChargeModel.measured(),
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -9,11 +9,13 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
    smallest wins;
 2. the drain (`ShuttingDown`) and admission control: a reservation from the process pool
    (`ProcessBudgetExceeded`, `Overloaded`) before a byte of the body is read;
-3. the raw body clamp (`Limits.request_body_clamp`) from ``Content-Length`` and while reading
+3. the raw body clamp (`budget.ChargeModel.body_clamp` of the most permissive configured charge
+   model) from ``Content-Length`` and while reading
    (`BodyTooLarge`), within ``client_body_timeout`` seconds (`BodyTimeout`), counting JSON nodes in
    the same pass (depth over `budget.DEFAULT_MAX_DEPTH`: 400 ``json_too_deep`` at once);
 4. ``Ledger.admit_input`` (413), then the strict parse and the field checks (`InvalidRequest`);
-5. the model route (`ModelNotFound`) and its lower limit (413 if what is charged no longer fits).
+5. the model route (`ModelNotFound`), its charge model (the body is re-charged at its price) and
+   its lower limit (413 if what is charged no longer fits).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from starlette.types import Receive, Scope
 from budget import (
     DEFAULT_MAX_DEPTH,
     ChargeModel,
+    JsonFeatures,
     JsonInvalid,
     JsonNodeCounter,
     JsonTooDeep,
@@ -55,7 +58,6 @@ LIMIT_HEADERS = {
     b"loopwarden-max-retained-bytes": "max_retained_bytes",
     b"loopwarden-max-infer-iters": "max_infer_iters",
 }
-_INPUT_PER_BYTE_STORED = ChargeModel().input_per_byte * 2  # per body byte, store on (reservations)
 
 
 class ClientGone(Exception):
@@ -70,8 +72,8 @@ def _mib(n: int) -> str:
 class IntakeConfig:
     """What every intake of one gateway shares, built once by `BudgetMiddleware`: the server-wide
     ``limits``, the ``authenticator``, the model ``router``, the admission ``pool``, the ``drain``
-    state, ``client_body_timeout`` (seconds to receive a whole body) and ``retry_after`` (seconds
-    in a 503)."""
+    state, ``client_body_timeout`` (seconds to receive a whole body), ``retry_after`` (seconds
+    in a 503) and ``charge_model`` (the server's; models may name their own)."""
 
     limits: Limits
     authenticator: Authenticator
@@ -80,6 +82,20 @@ class IntakeConfig:
     drain: DrainState
     client_body_timeout: float
     retry_after: float
+    charge_model: ChargeModel = dataclasses.field(default_factory=ChargeModel.measured)
+
+    def model_for(self, name: str | None) -> ChargeModel:
+        """The charge model of a route naming ``name`` (None: the server's)."""
+        if name is None or name == self.charge_model.name:
+            return self.charge_model
+        return ChargeModel.named(name)
+
+    @property
+    def permissive_model(self) -> ChargeModel:
+        """The configured model that admits the most before routing (the measured one when any
+        route or the server uses it): it sets the raw clamp and the admission reservation."""
+        names = {self.charge_model.name} | {r.charge_model for r in self.router.routes if r.charge_model}
+        return self.model_for("measured" if "measured" in names else "reference")
 
 
 class Intake:
@@ -105,15 +121,16 @@ class Intake:
         """Run the checks; the admitted request, its ledger charged with the body."""
         self.owner = self.config.authenticator.owner(self.scope)
         limits = self.effective_limits()
-        clamp = limits.request_body_clamp
+        permissive = self.config.permissive_model
+        clamp = permissive.body_clamp(limits.max_retained_bytes)
         declared = self._content_length()
         if declared is not None and declared > clamp:
-            raise _too_large(declared, clamp, limits, declared=True)
-        self.reservation = self._reserve(limits, declared)
-        counter = JsonNodeCounter(max_depth=DEFAULT_MAX_DEPTH)
+            raise _too_large(declared, clamp, limits, permissive, declared=True)
+        self.reservation = self._reserve(limits, declared, permissive)
+        counter = JsonNodeCounter(max_depth=DEFAULT_MAX_DEPTH, features=permissive.parse is not None)
         try:
             async with asyncio.timeout(self.config.client_body_timeout):
-                raw = await self._read_body(clamp, limits, counter)
+                raw = await self._read_body(clamp, limits, permissive, counter)
         except TimeoutError:
             raise BodyTimeout(
                 f"the request body was not received within {self.config.client_body_timeout:g} s "
@@ -124,7 +141,8 @@ class Intake:
         # the store doubles it (the persisted projection) is known only after parsing, so the
         # doubled charge replaces the single one then — exact for both, and sound throughout.
         nodes = counter.nodes
-        ledger = self._admit_body(limits, raw, nodes, store=False)
+        features = counter.features() if permissive.parse is not None else None
+        ledger = self._admit_body(limits, raw, nodes, features, permissive, store=False)
         try:
             request = loads_strict(raw)
         except JsonInvalid as exc:
@@ -143,9 +161,10 @@ class Intake:
             )
         self.model_label = route.name if route is not None else "other"
         store = request.get("store") is not False
-        if store:
+        model = self.config.model_for(route.charge_model if route is not None else None)
+        if store or model is not permissive:  # re-charge at the route's price, with the store's copies
             ledger.release_all()
-            ledger = self._admit_body(limits, raw, nodes, store=True)
+            ledger = self._admit_body(limits, raw, nodes, features, model, store=store)
         if route is not None:
             limits = route.limits(limits)
             ledger.lower_limit(limits.max_retained_bytes)
@@ -196,7 +215,7 @@ class Intake:
                     raise InvalidRequest("Content-Length is not an integer") from None
         return None
 
-    def _reserve(self, limits: Limits, declared: int | None) -> RequestReservation:
+    def _reserve(self, limits: Limits, declared: int | None, model: ChargeModel) -> RequestReservation:
         """Admission control before the body is read: refusals, else a reservation."""
         pool = self.config.pool
         if self.config.drain.draining:
@@ -204,7 +223,7 @@ class Intake:
         initial = (
             limits.max_retained_bytes
             if declared is None
-            else min(limits.max_retained_bytes, declared * _INPUT_PER_BYTE_STORED)
+            else min(limits.max_retained_bytes, declared * model.reserve_per_byte())
         )
         if initial > pool.budget:
             raise ProcessBudgetExceeded(
@@ -221,14 +240,26 @@ class Intake:
             )
         return pool.admit(initial)
 
-    def _admit_body(self, limits: Limits, raw: bytes, nodes: int, *, store: bool) -> Ledger:
-        """A new ledger for the request with the body admitted (``admit_input``)."""
-        ledger = Ledger(limits.max_retained_bytes, store=store, pool=self.reservation)
+    def _admit_body(
+        self,
+        limits: Limits,
+        raw: bytes,
+        nodes: int,
+        features: JsonFeatures | None,
+        model: ChargeModel,
+        *,
+        store: bool,
+    ) -> Ledger:
+        """A new ledger for the request, priced by ``model``, with the body admitted
+        (``admit_input``; the features are counted again only if the read did not count them)."""
+        ledger = Ledger(limits.max_retained_bytes, model, store=store, pool=self.reservation)
         self.ledger = ledger
-        ledger.admit_input(raw, nodes=nodes)
+        ledger.admit_input(raw, nodes=nodes, features=features)
         return ledger
 
-    async def _read_body(self, clamp: int, limits: Limits, counter: JsonNodeCounter) -> bytes:
+    async def _read_body(
+        self, clamp: int, limits: Limits, model: ChargeModel, counter: JsonNodeCounter
+    ) -> bytes:
         parts: list[bytes] = []
         size = 0
         while True:
@@ -239,7 +270,7 @@ class Intake:
             if chunk:
                 size += len(chunk)
                 if size > clamp:
-                    raise _too_large(size, clamp, limits, declared=False)
+                    raise _too_large(size, clamp, limits, model, declared=False)
                 try:
                     counter.feed(chunk)
                 except JsonTooDeep as exc:
@@ -253,11 +284,12 @@ def _fields(limits: Limits) -> dict[str, int]:
     return {"max_infer_iters": limits.max_infer_iters, "max_retained_bytes": limits.max_retained_bytes}
 
 
-def _too_large(size: int, clamp: int, limits: Limits, *, declared: bool) -> BodyTooLarge:
+def _too_large(size: int, clamp: int, limits: Limits, model: ChargeModel, *, declared: bool) -> BodyTooLarge:
     how = "declares" if declared else "is at least"
     return BodyTooLarge(
-        f"request body {how} {_mib(size)}, over the {_mib(clamp)} clamp (max_retained_bytes // 32 with "
-        f"max_retained_bytes={limits.max_retained_bytes}); send less, or raise max_retained_bytes",
+        f"request body {how} {_mib(size)}, over the {_mib(clamp)} clamp (the largest body the {model.name} "
+        f"charge model can admit with max_retained_bytes={limits.max_retained_bytes}); send less, or raise "
+        "max_retained_bytes",
         size=size,
         clamp=clamp,
     )

@@ -32,6 +32,7 @@ ROUTE_FIELDS = frozenset(
         "upstream_deadline",
         "max_retained_bytes",
         "max_infer_iters",
+        "charge_model",
     }
 )
 
@@ -53,6 +54,7 @@ class ModelRoute:
     upstream_deadline: float | None = None
     max_retained_bytes: int | None = None
     max_infer_iters: int | None = None
+    charge_model: str | None = None
 
     @property
     def is_pattern(self) -> bool:
@@ -95,6 +97,10 @@ def parse_models(raw: Mapping[str, Any]) -> tuple[ModelRoute, ...]:
             )
         except ValueError as exc:
             raise ModelConfigError(f"models.{name}: {exc}") from None
+        if route.charge_model not in (None, "measured", "reference"):
+            raise ModelConfigError(
+                f"models.{name}.charge_model must be measured or reference, got {route.charge_model!r}"
+            )
         for field in ("upstream_connect_timeout", "upstream_read_timeout", "upstream_deadline"):
             value = getattr(route, field)
             if value is not None and not (isinstance(value, int | float) and value > 0):

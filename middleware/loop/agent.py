@@ -64,7 +64,7 @@ from middleware.upstream.reader import (
 )
 
 T = TypeVar("T")
-LISTING_MODEL = ChargeModel.cpython()  # charges the MCP tool listings a request holds
+LISTING_MODEL = ChargeModel.measured()  # charges the MCP tool listings a request holds
 log = logging.getLogger("loopwarden")
 
 

@@ -23,7 +23,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from budget import JsonNodeCounter, JsonTooDeep, Ledger
-from budget.limits import upstream_body_clamp
 from middleware.upstream.errors import (
     UpstreamBodyTooLarge,
     UpstreamIncomplete,
@@ -461,16 +460,18 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
     non-whitespace byte is not ``{`` is refused at once (502 ``upstream_invalid_response``). The caller releases
     ``charge`` once the round's kept items are charged.
     """
-    clamp = upstream_body_clamp(ledger.limit)
+    model = ledger.model
+    clamp = model.upstream_clamp(ledger.limit)
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > clamp:
         raise UpstreamBodyTooLarge(
             f"upstream response declares {int(declared)} bytes, over the {clamp}-byte clamp "
-            f"(max_retained_bytes // 8); raise max_retained_bytes or ask the model for less",
+            f"(the largest body the {model.name} charge model can admit under max_retained_bytes="
+            f"{ledger.limit}); raise max_retained_bytes or ask the model for less",
             size=int(declared),
             clamp=clamp,
         )
-    counter = JsonNodeCounter(max_depth=MAX_UPSTREAM_DEPTH)
+    counter = JsonNodeCounter(max_depth=MAX_UPSTREAM_DEPTH, features=model.parse is not None)
     parts: list[bytes] = []
     charge = 0
     nodes = 0
@@ -494,6 +495,8 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
             charge += ledger.admit_output(chunk, nodes=total - nodes)
             nodes = total
             parts.append(chunk)
+        if model.parse is not None:  # the parse and its copies, once the body is complete
+            charge += ledger.admit_output_parse(counter.features())
     except BaseException:
         ledger.release(charge)
         raise

@@ -1,0 +1,280 @@
+"""What CPython retains for a JSON text, counted lexically (the measured charge model's input).
+
+`JsonFeatures` is what `budget.JsonNodeCounter(features=True)` counts in its one lexical pass over
+the bytes, next to the nodes (DESIGN.md §4, "the measured model prices the features that decide
+what CPython retains"). `FeatureTally` is the counter's per-piece helper; like the node count it
+does its work with C-level `bytes` operations per 64 KiB piece, never per byte in Python.
+
+Strings are priced exactly or bounded from above, never guessed:
+
+* the strings of a piece without backslashes and without non-ASCII bytes cost ``49 + len`` each
+  (CPython's compact ASCII `str`), computed from their lengths; the empty string and one-byte
+  strings are interned singletons in CPython and cost nothing;
+* the strings of any other piece are decoded once, together (UTF-8, or one ``json.loads`` of the
+  piece's string literals when escapes are present) and their exact `sys.getsizeof` summed;
+* a string that runs across pieces is bounded: its characters are at most its bytes minus UTF-8
+  continuation bytes, its width is the widest character its raw bytes or escapes can produce (1,
+  2 or 4 bytes; a high-surrogate escape means 4), and it costs ``76 + width * characters``.
+
+Numbers: the integers ``-5..=256`` are shared singletons in CPython; `small_ints` counts the ones
+that are lexically certain (``-5``..``-1``, ``0``..``256``), every other number is priced as a new
+object (`numbers` - `small_ints`) plus its bytes (`number_bytes`, a bound for big integers).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from operator import methodcaller
+from typing import Final
+
+__all__ = ["FeatureTally", "JsonFeatures"]
+
+_HIGH: Final = bytes(range(0x80, 0x100))
+_CONT: Final = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes
+_LEAD3: Final = bytes(range(0xE0, 0xF0))  # leads of 3-byte UTF-8 sequences
+_NOT_ASTRAL: Final = bytes(c for c in range(256) if c < 0xF0)  # delete all but 4-byte leads
+_NOT_WIDE: Final = bytes(c for c in range(256) if not 0xC4 <= c <= 0xEF)  # keep U+0100..U+FFFF leads
+_ESC_ASTRAL: Final = re.compile(rb"\\u[dD][89abAB]")
+_ESC_WIDE: Final = re.compile(rb"\\u(?!00)")
+_ESC_LATIN1: Final = re.compile(rb"\\u00[89a-fA-F]")
+_SMALL_INT: Final = re.compile(
+    rb"(?<![-+.eE0-9])(?:[0-9]|[1-9][0-9]|1[0-9][0-9]|2[0-4][0-9]|25[0-6]|-[1-5])(?=[^-+.eE0-9])"
+)
+# '1' may start a number, '2' only continues one (the node counter's classes)
+_NUM_CLASS: Final = bytes(0x31 if c in b"-0123456789" else 0x32 if c in b"+.eE" else 0x30 for c in range(256))
+_DECODE: Final = methodcaller("decode", "utf-8", "replace")
+_LENIENT: Final = json.JSONDecoder(strict=False)  # control characters are the strict parser's job
+_ASCII_STR: Final = sys.getsizeof("")  # 49 on 64-bit CPython 3.11: header of a compact ASCII str
+_EMPTY: Final = sys.getsizeof("")
+_ONE: Final = sys.getsizeof("a")
+_WIDE_STR: Final = 76  # header bound of any str (UCS-4: 76 + 4 per character)
+_LATIN1_STR: Final = sys.getsizeof("\xe9") - 1  # 73: header of a Latin-1 str
+
+
+@dataclass(frozen=True, slots=True)
+class JsonFeatures:
+    """The lexical features of one JSON text, all ints.
+
+    * ``nbytes`` — wire bytes; ``nodes`` — JSON nodes (`budget.nodes` rules);
+    * ``string_bytes`` — bytes of the `str` objects a parse builds for every string and key (an
+      upper bound, exact for strings inside one piece), shared singletons excluded;
+    * ``strings`` — string literals (keys included);
+    * ``objects`` / ``empty_objects`` (``{}`` with nothing between), ``members`` (``:`` outside
+      strings: one per key), ``arrays`` / ``empty_arrays`` (``[]``);
+    * ``numbers``, ``small_ints`` (lexically certain ``-5..=256``), ``number_bytes`` (bytes of
+      number tokens, a bound);
+    * ``literals`` — ``true``, ``false``, ``null``;
+    * ``nonascii_bytes`` — bytes ``>= 0x80`` anywhere; ``lead3_bytes`` — leads of 3-byte UTF-8
+      sequences (``0xE0..=0xEF``); ``chars`` — code points of the whole text
+      (bytes minus UTF-8 continuation bytes); ``text_width`` — 1, 2 or 4, the widest character of
+      the raw text (what its decoded `str` needs per character).
+
+    Malformed input still gets features (never an error); they only bound what a parse of valid
+    JSON would build.
+    """
+
+    nbytes: int
+    nodes: int
+    string_bytes: int
+    strings: int
+    objects: int
+    empty_objects: int
+    members: int
+    arrays: int
+    empty_arrays: int
+    numbers: int
+    small_ints: int
+    number_bytes: int
+    literals: int
+    nonascii_bytes: int
+    lead3_bytes: int
+    chars: int
+    text_width: int
+
+    @property
+    def text_bytes(self) -> int:
+        """Bytes of the `str` that decoding the whole text builds (``bytes.decode``)."""
+        if self.text_width == 1:
+            header = _ASCII_STR if self.nonascii_bytes == 0 else _LATIN1_STR
+            return header + self.chars
+        return _WIDE_STR + self.text_width * (self.chars + 1)
+
+    @property
+    def elements(self) -> int:
+        """Values directly inside arrays: every node that is neither a key, a member's value,
+        nor the top-level value (``nodes - 2*members - 1``, at least 0)."""
+        return max(self.nodes - 2 * self.members - 1, 0)
+
+    @property
+    def serialized_bound(self) -> int:
+        """Largest compact ``json.dumps`` (``ensure_ascii``) of the parsed value, in bytes: ASCII
+        stays as it is, a non-ASCII character becomes a ``\\uXXXX`` escape: 2 bytes -> 6, 3 bytes
+        -> 6, an astral character's 4 bytes -> 12 (a surrogate pair)."""
+        return self.nbytes + 2 * self.nonascii_bytes - 3 * self.lead3_bytes
+
+
+def _width(data: bytes) -> int:
+    """Widest character the raw bytes ``data`` (not ASCII) hold: 4, 2, or 1 (Latin-1)."""
+    if data.translate(None, _NOT_ASTRAL):
+        return 4
+    if data.translate(None, _NOT_WIDE):
+        return 2
+    return 1
+
+
+class FeatureTally:
+    """Accumulates `JsonFeatures` piece by piece for `budget.JsonNodeCounter`; not public API.
+
+    The counter calls, per piece: `raw` (every byte fed), `open_segment` / `close_open` for the
+    string that runs across pieces, `plain_strings` / `escaped_strings` for the strings closed
+    inside the piece, and `outside` for the text outside strings."""
+
+    __slots__ = (
+        "_open_chars",
+        "_open_latin1",
+        "_open_tail",
+        "_open_width",
+        "arrays",
+        "cont",
+        "empty_arrays",
+        "empty_objects",
+        "lead3",
+        "literals",
+        "members",
+        "nonascii",
+        "number_bytes",
+        "numbers",
+        "objects",
+        "small_ints",
+        "string_bytes",
+        "strings",
+        "width",
+    )
+
+    def __init__(self) -> None:
+        self.string_bytes = self.strings = 0
+        self.objects = self.empty_objects = self.members = 0
+        self.arrays = self.empty_arrays = 0
+        self.numbers = self.small_ints = self.number_bytes = self.literals = 0
+        self.nonascii = self.cont = self.lead3 = 0
+        self.width = 1
+        self._open_chars = 0
+        self._open_width = 0  # 0: ASCII so far
+        self._open_latin1 = False
+        self._open_tail = b""
+
+    def raw(self, piece: bytes) -> None:
+        """Every byte of the text, once (before the counter trims escapes)."""
+        if piece.isascii():
+            return
+        self.nonascii += len(piece) - len(piece.translate(None, _HIGH))
+        self.cont += len(piece) - len(piece.translate(None, _CONT))
+        self.lead3 += len(piece) - len(piece.translate(None, _LEAD3))
+        self.width = max(self.width, _width(piece))
+
+    def open_segment(self, seg: bytes, *, new: bool = False) -> None:
+        """Bytes inside a string that is not closed in this piece (``new``: it opens here)."""
+        if new:
+            self.strings += 1
+            self._open_chars = 0
+            self._open_width = 0
+            self._open_latin1 = False
+            self._open_tail = b""
+        if seg.isascii():
+            self._open_chars += len(seg)
+        else:
+            self._open_chars += len(seg) - len(seg.translate(None, _CONT))
+            w = _width(seg)
+            if w == 1:
+                self._open_latin1 = True
+            else:
+                self._open_width = max(self._open_width, w)
+        if b"\\" in seg or b"\\" in self._open_tail:
+            probe = self._open_tail + seg
+            if _ESC_ASTRAL.search(probe):
+                self._open_width = 4
+            elif _ESC_WIDE.search(probe):
+                self._open_width = max(self._open_width, 2)
+            elif _ESC_LATIN1.search(probe):
+                self._open_latin1 = True
+        self._open_tail = (self._open_tail + seg)[-11:]
+
+    def close_open(self) -> None:
+        """The string that ran across pieces ended: add its bound."""
+        n, w = self._open_chars, self._open_width
+        if w:
+            self.string_bytes += _WIDE_STR + w * (n + 1)
+        elif self._open_latin1:
+            self.string_bytes += _LATIN1_STR + n
+        else:
+            self.string_bytes += _ASCII_STR + n
+        self._open_chars = 0
+
+    def plain_strings(self, contents: list[bytes], ascii_piece: bool) -> None:
+        """Strings closed in a piece without backslashes (their contents, quotes stripped)."""
+        if not contents:
+            return
+        self.strings += len(contents)
+        if ascii_piece:
+            lens = list(map(len, contents))
+            n0, n1 = lens.count(0), lens.count(1)
+            self.string_bytes += _ASCII_STR * (len(lens) - n0 - n1) + sum(lens) - n1
+            return
+        self._sized(list(map(sys.getsizeof, map(_DECODE, contents))))
+
+    def escaped_strings(self, literals: list[bytes]) -> None:
+        """Strings closed in a piece with backslashes (whole literals, quotes included)."""
+        if not literals:
+            return
+        self.strings += len(literals)
+        try:
+            decoded = _LENIENT.decode("[" + ",".join(map(_DECODE, literals)) + "]")
+        except ValueError:  # not valid JSON strings: bound each (its parse will fail anyway)
+            self.string_bytes += sum(_WIDE_STR + 4 * len(lit) for lit in literals)
+            return
+        self._sized(list(map(sys.getsizeof, decoded)))
+
+    def _sized(self, sizes: list[int]) -> None:
+        # 49 and 50 are the sizes of "" and of a one-character ASCII str only: singletons
+        self.string_bytes += sum(sizes) - _EMPTY * sizes.count(_EMPTY) - _ONE * sizes.count(_ONE)
+
+    def outside(self, out: bytes, after_number: bool) -> None:
+        """The text outside strings of one piece (strings replaced by spaces); ``after_number``:
+        the previous piece ended on a number byte."""
+        self.objects += out.count(b"{")
+        self.empty_objects += out.count(b"{}")
+        self.arrays += out.count(b"[")
+        self.empty_arrays += out.count(b"[]")
+        self.members += out.count(b":")
+        self.literals += out.count(b"t") + out.count(b"f") + out.count(b"n")
+        classes = out.translate(_NUM_CLASS)
+        starts = classes.count(b"01") + (1 if classes[:1] == b"1" and not after_number else 0)
+        self.numbers += starts
+        self.number_bytes += len(classes) - classes.count(b"0")
+        subject = (b"0" if after_number else b" ") + out
+        self.small_ints += _SMALL_INT.subn(b"", subject)[1]
+
+    def result(self, nbytes: int, nodes: int) -> JsonFeatures:
+        """The features so far (a string still open is not included)."""
+        return JsonFeatures(
+            nbytes=nbytes,
+            nodes=nodes,
+            string_bytes=self.string_bytes,
+            strings=self.strings,
+            objects=self.objects,
+            empty_objects=self.empty_objects,
+            members=self.members,
+            arrays=self.arrays,
+            empty_arrays=self.empty_arrays,
+            numbers=self.numbers,
+            small_ints=self.small_ints,
+            number_bytes=self.number_bytes,
+            literals=self.literals,
+            nonascii_bytes=self.nonascii,
+            lead3_bytes=self.lead3,
+            chars=nbytes - self.cont,
+            text_width=self.width,
+        )
