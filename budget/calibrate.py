@@ -28,10 +28,21 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .jsonstrict import loads_strict
 from .model import ChargeModel
-from .nodes import count_json_nodes
+from .nodes import count_json_nodes, json_features
 
-__all__ = ["SHAPES", "Measurement", "derive_model", "measure", "parsers", "responses_body"]
+__all__ = [
+    "SHAPES",
+    "Measurement",
+    "derive_model",
+    "measure",
+    "measured_charge",
+    "parsers",
+    "pipeline_peak",
+    "ratios",
+    "responses_body",
+]
 
 Parser = Callable[[bytes], object]
 
@@ -256,6 +267,78 @@ def measure(parse: Parser, payload: bytes) -> tuple[int, int]:
     return max(retained - base_retained, 0), max(peak - base_peak, 0)
 
 
+def _encode(value: object) -> bytes:
+    # what the gateway's encoders do (middleware.upstream.reader.dumps_checked): compact, ASCII
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _input_pipeline(raw: bytes, store: bool) -> object:
+    held = bytes(bytearray(raw))  # the request's own copy of its body
+    value = loads_strict(held)
+    upstream = _encode(value)  # the re-serialised upstream body, alive while it is sent
+    projection = _encode(value) if store else b""  # the persisted projection
+    return held, value, upstream, projection
+
+
+def _output_pipeline(raw: bytes, store: bool) -> object:
+    half = len(raw) // 2
+    chunks = [bytes(bytearray(raw[:half])), bytes(bytearray(raw[half:]))]  # as read
+    body = b"".join(chunks)
+    value = json.loads(body)  # what middleware.upstream.reader.loads_upstream runs
+    return chunks, body, value  # what it keeps and encodes later is the accumulated / terminal charge
+
+
+def pipeline_peak(raw: bytes, owner: str = "input", store: bool = False, repeat: int = 3) -> int:
+    """The most memory the gateway's own steps hold at once for ``raw`` (bytes, `tracemalloc`
+    peak above the start, ``raw`` itself not counted): for ``owner="input"`` the request's copy
+    of the body, `loads_strict`, the re-serialised upstream body and with ``store`` the persisted
+    projection; for ``"output"`` a buffered upstream body read in two chunks, joined and
+    ``json.loads``-ed (its encoding for the client is the terminal charge's). The least of
+    ``repeat`` runs. What the measured model's
+    soundness (charge ≥ this) and tightness (charge ≤ 2 × this) are tested against."""
+    run_it = _input_pipeline if owner == "input" else _output_pipeline
+    peaks = []
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        run_it(b'{"warm":["caches",1,2.5,true]}', store)  # interned names, outside the window
+        gc.collect()
+        for _ in range(repeat):  # the least of a few runs: a stray allocation only adds
+            gc.disable()
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            kept = run_it(raw, store)
+            peaks.append(tracemalloc.get_traced_memory()[1] - before)
+            del kept
+            gc.enable()
+    finally:
+        if started:
+            tracemalloc.stop()
+        gc.enable()
+    return max(min(peaks), 1)
+
+
+def measured_charge(raw: bytes, owner: str = "input", store: bool = False) -> int:
+    """The measured model's charge for ``raw`` as ``owner`` (``"input"`` or ``"output"``)."""
+    model, features = ChargeModel.measured(), json_features(raw)
+    if owner == "input":
+        return model.measured_input(features, store)
+    return model.measured_output(features, store)
+
+
+def ratios(size: int) -> list[tuple[str, str, bool, float]]:
+    """``(shape, owner, store, charge / pipeline peak)`` for every shape of `SHAPES`."""
+    out = []
+    for shape, make in SHAPES.items():
+        payload = make(size)
+        for owner in ("input", "output"):
+            for store in (False, True):
+                peak = pipeline_peak(payload, owner, store)
+                out.append((shape, owner, store, measured_charge(payload, owner, store) / peak))
+    return out
+
+
 def run(size: int) -> list[Measurement]:
     """Measure every shape with every parser."""
     out: list[Measurement] = []
@@ -360,12 +443,25 @@ def main(argv: list[str] | None = None) -> int:
     pa, pb = _fit(rows, lambda r: r.peak)
     print(f"# retained (worst parser): {a:.2f} per byte + {b:.1f} per node")
     print(f"# json.loads peak: {ja:.2f} per byte + {jb:.1f} per node; worst peak: {pa:.2f} + {pb:.1f}")
+    print("# measured model: charge / peak of the gateway's pipeline (sound >= 1, tight <= 2)")
+    table = ratios(args.size)
+    for shape in SHAPES:
+        values = sorted(r for s, _o, _st, r in table if s == shape)
+        print(
+            f"#   {shape:24} min {values[0]:5.2f}  median {values[len(values) // 2]:5.2f}  max {values[-1]:5.2f}"
+        )
+    every = sorted(r for *_x, r in table)
+    print(
+        f"#   {'all shapes':24} min {every[0]:5.2f}  median {every[len(every) // 2]:5.2f}  max {every[-1]:5.2f}"
+    )
     model = derive_model(rows, args.margin)
+    print("# size-only bounds (the measured model's per-byte / per-node fields)")
     print(f"# --- generated by `python -m budget.calibrate` ({platform.python_implementation()} ", end="")
     print(f"{platform.python_version()}, {platform.machine()}) ---")
     print("return cls(")
     for name in model.__dataclass_fields__:
-        print(f"    {name}={getattr(model, name)},")
+        if name != "parse":
+            print(f"    {name}={getattr(model, name)},")
     print(")")
     return 0
 

@@ -19,6 +19,7 @@ searches use sizes instead of rebuilding megabytes of JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -26,10 +27,11 @@ from dataclasses import dataclass
 from typing import Final
 
 from .errors import BudgetExceeded
+from .features import JsonFeatures
 from .ledger import Ledger
 from .limits import MAX_RETAINED_BYTES_RANGE, Limits
 from .model import ChargeModel
-from .nodes import count_json_nodes
+from .nodes import json_features
 
 __all__ = [
     "Payload",
@@ -44,8 +46,12 @@ DEFAULT_LIMIT: Final = Limits().max_retained_bytes
 MAX_LIMIT: Final = MAX_RETAINED_BYTES_RANGE[1]
 IMAGE_BYTES: Final = 5_000_000
 """The "5 MB image" of the table: a 5,000,000-byte file, sent base64 in a data URL (6.67 MB)."""
-HISTORY_ITEMS: Final = 500
-TOOLS: Final = 128
+HISTORY_ITEMS: Final = 5000
+TOOLS: Final = 500
+ANSWER_BYTES: Final = 2_000_000
+"""The "2 MB buffered answer": an upstream response object of 2,000,000 bytes or more."""
+CODEX_SHARE: Final = 0.02
+"""A 40 KB Codex-style request must cost under this share of the budget."""
 SHORT_ANSWER: Final = 2000  # characters of answer text in rounds that measure something else
 
 
@@ -125,6 +131,76 @@ def create_body(*, tools: int = 0, image_bytes: int = 0, previous: bool = False)
     return body
 
 
+def codex_body() -> dict[str, object]:
+    """A Codex-CLI-style create request of about 40 KB: long instructions, 9 function tools with
+    full JSON schemas, a conversation with a reasoning item carrying ``encrypted_content`` and
+    shell calls with their outputs (deterministic)."""
+    tools = [
+        {
+            "type": "function",
+            "name": name,
+            "description": f"{name}: runs in the sandbox and returns its output. " * 6,
+            "strict": False,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "command": {"type": "array", "items": {"type": "string"}, "description": "argv"},
+                    "workdir": {"type": "string", "description": "working directory"},
+                    "timeout_ms": {"type": "number", "description": "timeout in milliseconds"},
+                    "justification": {"type": "string", "description": "why it needs approval"},
+                },
+                "required": ["command"],
+                "additionalProperties": False,
+            },
+        }
+        for name in (
+            "shell",
+            "apply_patch",
+            "update_plan",
+            "view_image",
+            "read_file",
+            "list_dir",
+            "grep_files",
+            "web_search",
+            "request_user_input",
+        )
+    ]
+    blob = "".join(f"{i:08x}" for i in range(1500))  # 12,000 base64-like characters
+    conversation: list[object] = [
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Fix the failing test. " * 20}],
+        },
+        {"type": "reasoning", "summary": [], "encrypted_content": blob},
+    ]
+    for i in range(6):
+        conversation.append(
+            {
+                "type": "function_call",
+                "call_id": f"call_{i:04d}",
+                "name": "shell",
+                "arguments": json.dumps({"command": ["bash", "-lc", f"pytest -q tests/test_{i}.py"]}),
+            }
+        )
+        conversation.append(
+            {"type": "function_call_output", "call_id": f"call_{i:04d}", "output": "....F.. 1 failed\n" * 40}
+        )
+    return {
+        "model": "gpt-5-codex",
+        "instructions": "You are Codex, a coding agent running in a sandbox. " * 280,
+        "input": conversation,
+        "tools": tools,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "0195e2b4-6f7a-7c1d-9e8f-0123456789ab",
+    }
+
+
 def answer_item(text_chars: int) -> dict[str, object]:
     """The assistant message a round keeps."""
     return {
@@ -155,29 +231,54 @@ def response_body(*, tools: int = 0, text_chars: int = SHORT_ANSWER) -> dict[str
     }
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Payload:
-    """Size of a serialized payload: bytes and lexical nodes."""
+_ZERO: Final = json_features(b"")
 
-    nbytes: int
-    nodes: int
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A serialized payload as the ledger prices it: its `JsonFeatures` (bytes, nodes and what the
+    measured model counts), linear in repeated parts."""
+
+    features: JsonFeatures
+
+    @property
+    def nbytes(self) -> int:
+        """Wire bytes."""
+        return self.features.nbytes
+
+    @property
+    def nodes(self) -> int:
+        """Lexical JSON nodes."""
+        return self.features.nodes
 
     @classmethod
     def of(cls, value: object) -> Payload:
-        raw = _dumps(value)
-        return cls(nbytes=len(raw), nodes=count_json_nodes(raw))
+        """The payload of ``value`` serialized compactly (UTF-8, as clients send it)."""
+        return cls(json_features(_dumps(value)))
+
+    @classmethod
+    def text(cls, nbytes: int) -> Payload:
+        """``nbytes`` bytes of ASCII inside a string (base64, answer text): bytes, no nodes."""
+        return cls(
+            dataclasses.replace(_ZERO, nbytes=nbytes, string_bytes=nbytes, chars=nbytes, longest_string=49 + nbytes)
+        )
 
     def __add__(self, other: Payload) -> Payload:
-        return Payload(nbytes=self.nbytes + other.nbytes, nodes=self.nodes + other.nodes)
+        return Payload(self.features.combine(other.features))
+
+    def minus(self, other: Payload) -> Payload:
+        """``self - other`` (differences of real payloads)."""
+        return Payload(self.features.combine(other.features, -1))
 
     def times(self, k: int) -> Payload:
-        return Payload(nbytes=self.nbytes * k, nodes=self.nodes * k)
+        """``k`` copies."""
+        return Payload(_ZERO.combine(self.features, k))
 
 
 def history_size(items: int) -> Payload:
     """Serialized size of ``items`` stored history items (the `history_item` cycle)."""
     cycle = [Payload.of(history_item(i)) for i in range(4)]
-    total = Payload(nbytes=0, nodes=0)
+    total = Payload(_ZERO)
     for p in cycle:
         total = total + p
     full, rest = divmod(items, 4)
@@ -202,16 +303,18 @@ class Request:
 
 
 def _buffered(ledger: Ledger, limits: Limits, req: Request) -> bool:
-    if req.body.nbytes > limits.request_body_clamp or req.upstream.nbytes > limits.upstream_body_clamp:
+    model, limit = ledger.model, limits.max_retained_bytes
+    if req.body.nbytes > model.body_clamp(limit) or req.upstream.nbytes > model.upstream_clamp(limit):
         return False
     try:
-        ledger.admit_input(_blob(req.body.nbytes), nodes=req.body.nodes)
+        ledger.admit_input(_blob(req.body.nbytes), nodes=req.body.nodes, features=req.body.features)
         if req.history is not None:
             ledger.admit_history_size(req.history.nbytes, req.history.nodes)
         held = ledger.admit_output(_blob(req.upstream.nbytes), nodes=req.upstream.nodes)
-        ledger.admit_accumulated(_blob(req.kept.nbytes), nodes=req.kept.nodes)
+        held += ledger.admit_output_parse(req.upstream.features)
+        ledger.admit_accumulated(_blob(req.kept.nbytes), nodes=req.kept.nodes, features=req.kept.features)
         ledger.release(held)
-        ledger.admit_terminal(_blob(req.upstream.nbytes))
+        ledger.admit_terminal(_blob(req.upstream.nbytes), features=req.upstream.features)
     except BudgetExceeded:
         return False
     return True
@@ -225,26 +328,28 @@ def _frame(ledger: Ledger, payload: Payload) -> None:
 
 
 def _streamed(ledger: Ledger, limits: Limits, req: Request) -> bool:
-    if req.body.nbytes > limits.request_body_clamp:
+    if req.body.nbytes > ledger.model.body_clamp(limits.max_retained_bytes):
         return False
     kept_text = req.kept.nbytes  # the answer text arrives as one delta here
     try:
-        ledger.admit_input(_blob(req.body.nbytes), nodes=req.body.nodes)
+        ledger.admit_input(_blob(req.body.nbytes), nodes=req.body.nodes, features=req.body.features)
         if req.history is not None:
             ledger.admit_history_size(req.history.nbytes, req.history.nodes)
-        envelope = Payload(
-            nbytes=req.upstream.nbytes - req.kept.nbytes, nodes=req.upstream.nodes - req.kept.nodes
-        )
+        envelope = req.upstream.minus(req.kept)
         _frame(ledger, envelope)  # response.created echoes everything but the output
-        _frame(ledger, Payload(nbytes=kept_text + 100, nodes=8))  # one output_text.delta
-        delta = ledger.admit_accumulated(_blob(kept_text), nodes=0)
+        _frame(ledger, Payload.text(kept_text + 100))  # one output_text.delta
+        delta = ledger.admit_accumulated(b"x" * kept_text, nodes=0)
         _frame(ledger, req.kept)  # response.output_item.done
-        item = ledger.admit_accumulated(_blob(req.kept.nbytes), nodes=req.kept.nodes)
+        item = ledger.admit_accumulated(
+            _blob(req.kept.nbytes), nodes=req.kept.nodes, features=req.kept.features
+        )
         ledger.release(delta)
         _frame(ledger, req.upstream)  # response.completed
-        final = ledger.admit_accumulated(_blob(req.upstream.nbytes), nodes=req.upstream.nodes)
+        final = ledger.admit_accumulated(
+            _blob(req.upstream.nbytes), nodes=req.upstream.nodes, features=req.upstream.features
+        )
         ledger.release(item)
-        ledger.admit_terminal(_blob(req.upstream.nbytes))
+        ledger.admit_terminal(_blob(req.upstream.nbytes), features=req.upstream.features)
         ledger.release(final)
     except BudgetExceeded:
         return False
@@ -289,7 +394,7 @@ def _largest(fits: Callable[[int], bool], high: int) -> int:
 
 
 def _delta(a: Payload, b: Payload) -> Payload:
-    return Payload(nbytes=b.nbytes - a.nbytes, nodes=b.nodes - a.nodes)
+    return b.minus(a)
 
 
 @functools.cache
@@ -305,7 +410,7 @@ def _units() -> dict[str, Payload]:
         "create_tool1": _delta(create0, Payload.of(create_body(tools=1))),
         "create_tool": _delta(Payload.of(create_body(tools=1)), Payload.of(create_body(tools=2))),
         "create_previous": _delta(create0, Payload.of(create_body(previous=True))),
-        "create_image": _delta(create0, Payload(nbytes=image3.nbytes - 4, nodes=image3.nodes)),
+        "create_image": _delta(create0, image3.minus(Payload.text(4))),
         "response": response0,
         "response_tool1": _delta(response0, Payload.of(response_body(tools=1, text_chars=0))),
         "response_tool": _delta(
@@ -314,6 +419,14 @@ def _units() -> dict[str, Payload]:
         "answer": answer0,
         "char": _delta(answer0, Payload.of(answer_item(1))),
     }
+
+
+def answer_text(chars: int) -> Payload:
+    """What ``chars`` ASCII characters of answer text add to a payload whose text was empty: the
+    bytes, and the `str` CPython builds (none for 0 or 1 characters: shared singletons)."""
+    text = Payload.text(chars)
+    header = 49 if chars >= 2 else -chars
+    return Payload(dataclasses.replace(text.features, string_bytes=text.features.string_bytes + header))
 
 
 def base64_length(nbytes: int) -> int:
@@ -332,11 +445,11 @@ def request(*, tools: int = 0, text: int = SHORT_ANSWER, image_b64: int = 0, his
         body = body + u["create_tool1"] + u["create_tool"].times(tools - 1)
         upstream = upstream + u["response_tool1"] + u["response_tool"].times(tools - 1)
     if image_b64:
-        body = body + u["create_image"] + Payload(nbytes=image_b64, nodes=0)
+        body = body + u["create_image"] + Payload.text(image_b64)
     if history:
         body = body + u["create_previous"]
-    kept = u["answer"] + u["char"].times(text)
-    upstream = upstream + u["char"].times(text)
+    kept = u["answer"] + answer_text(text)
+    upstream = upstream + answer_text(text)
     return Request(
         body=body, upstream=upstream, kept=kept, history=history_size(history) if history else None
     )
@@ -362,7 +475,7 @@ def _size(n: int) -> str:
 def settings() -> list[Setting]:
     """The rows: both models × default and maximum limit × store on and off."""
     rows: list[Setting] = []
-    for name, model in (("default", ChargeModel.default()), ("cpython", ChargeModel.cpython())):
+    for name, model in (("measured", ChargeModel.measured()), ("reference", ChargeModel.reference())):
         for limit in (DEFAULT_LIMIT, MAX_LIMIT):
             for store in (True, False):
                 rows.append(Setting(model_name=name, model=model, limit=limit, store=store))
@@ -370,11 +483,17 @@ def settings() -> list[Setting]:
 
 
 HEADER: Final = (
-    "| model | max_retained_bytes | store | largest create body | largest buffered answer "
-    "| tools echoed per buffered round | restored history (items) | 5 MB image | 128 tools "
-    "| 500-item history |\n"
-    "|---|---|---|---|---|---|---|---|---|---|\n"
+    "| model | max_retained_bytes | store | raw body clamp | largest create body | largest buffered answer "
+    "| tools echoed per buffered round | restored history (items) | 5 MB image | 2 MB answer | 500 tools "
+    "| 5,000-item history | 40 KB Codex request |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 )
+
+
+def codex_share(setting: Setting) -> float:
+    """Share of ``setting``'s budget the `codex_body` request's input charge takes."""
+    raw = _dumps(codex_body())
+    return setting.ledger().admit_input(raw) / setting.limit
 
 
 def row(setting: Setting) -> str:
@@ -386,13 +505,17 @@ def row(setting: Setting) -> str:
     tools = _largest(lambda n: setting.buffered(request(tools=n)), 100_000)
     history = _largest(lambda n: setting.buffered(request(history=n)), 1_000_000)
     image = _served(setting, request(image_b64=base64_length(IMAGE_BYTES)))
+    big_answer = _served(setting, request(text=ANSWER_BYTES))
     many_tools = _served(setting, request(tools=TOOLS))
     long_history = _served(setting, request(history=HISTORY_ITEMS))
+    share = codex_share(setting)
+    codex = f"{'yes' if share < CODEX_SHARE else 'no'} ({100 * share:.2f} %)"
     limit = f"{setting.limit // (1 << 20)} MiB"
     store = "on" if setting.store else "off"
+    clamp = _size(setting.model.body_clamp(setting.limit))
     return (
-        f"| {setting.model_name} | {limit} | {store} | {_size(create)} | {_size(answer)} "
-        f"| {tools} | {history} | {image} | {many_tools} | {long_history} |\n"
+        f"| {setting.model_name} | {limit} | {store} | {clamp} | {_size(create)} | {_size(answer)} "
+        f"| {tools} | {history} | {image} | {big_answer} | {many_tools} | {long_history} | {codex} |\n"
     )
 
 

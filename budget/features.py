@@ -61,7 +61,8 @@ class JsonFeatures:
     * ``nbytes`` — wire bytes; ``nodes`` — JSON nodes (`budget.nodes` rules);
     * ``string_bytes`` — bytes of the `str` objects a parse builds for every string and key (an
       upper bound, exact for strings inside one piece), shared singletons excluded;
-    * ``strings`` — string literals (keys included);
+    * ``strings`` — string literals (keys included); ``longest_string`` — bytes of the largest of
+      those `str` objects (a bound); ``escaped`` — 1 when any string holds a backslash escape;
     * ``objects`` / ``empty_objects`` (``{}`` with nothing between), ``members`` (``:`` outside
       strings: one per key), ``arrays`` / ``empty_arrays`` (``[]``);
     * ``numbers``, ``small_ints`` (lexically certain ``-5..=256``), ``number_bytes`` (bytes of
@@ -89,10 +90,21 @@ class JsonFeatures:
     small_ints: int
     number_bytes: int
     literals: int
+    longest_string: int
+    escaped: int
     nonascii_bytes: int
     lead3_bytes: int
     chars: int
     text_width: int
+
+    def combine(self, other: JsonFeatures, k: int = 1) -> JsonFeatures:
+        """``self + k * other`` field by field (``k`` may be negative, for differences of real
+        payloads in `budget.costs`); ``text_width``, ``longest_string`` and ``escaped`` are the
+        larger of the two when ``k > 0``, else ``self``'s."""
+        values = {f: getattr(self, f) + k * getattr(other, f) for f in self.__dataclass_fields__}
+        for f in ("text_width", "longest_string", "escaped"):  # not sums: the wider / larger one
+            values[f] = max(getattr(self, f), getattr(other, f)) if k > 0 else getattr(self, f)
+        return JsonFeatures(**values)
 
     @property
     def text_bytes(self) -> int:
@@ -141,8 +153,10 @@ class FeatureTally:
         "cont",
         "empty_arrays",
         "empty_objects",
+        "escaped",
         "lead3",
         "literals",
+        "longest",
         "members",
         "nonascii",
         "number_bytes",
@@ -160,6 +174,7 @@ class FeatureTally:
         self.arrays = self.empty_arrays = 0
         self.numbers = self.small_ints = self.number_bytes = self.literals = 0
         self.nonascii = self.cont = self.lead3 = 0
+        self.longest = self.escaped = 0
         self.width = 1
         self._open_chars = 0
         self._open_width = 0  # 0: ASCII so far
@@ -186,13 +201,14 @@ class FeatureTally:
         if seg.isascii():
             self._open_chars += len(seg)
         else:
-            self._open_chars += len(seg) - len(seg.translate(None, _CONT))
+            self._open_chars += len(seg.translate(None, _CONT))  # continuation bytes are not characters
             w = _width(seg)
             if w == 1:
                 self._open_latin1 = True
             else:
                 self._open_width = max(self._open_width, w)
         if b"\\" in seg or b"\\" in self._open_tail:
+            self.escaped = 1
             probe = self._open_tail + seg
             if _ESC_ASTRAL.search(probe):
                 self._open_width = 4
@@ -206,11 +222,13 @@ class FeatureTally:
         """The string that ran across pieces ended: add its bound."""
         n, w = self._open_chars, self._open_width
         if w:
-            self.string_bytes += _WIDE_STR + w * (n + 1)
+            cost = _WIDE_STR + w * (n + 1)
         elif self._open_latin1:
-            self.string_bytes += _LATIN1_STR + n
+            cost = _LATIN1_STR + n
         else:
-            self.string_bytes += _ASCII_STR + n
+            cost = _ASCII_STR + n
+        self.string_bytes += cost
+        self.longest = max(self.longest, cost)
         self._open_chars = 0
 
     def plain_strings(self, contents: list[bytes], ascii_piece: bool) -> None:
@@ -222,6 +240,7 @@ class FeatureTally:
             lens = list(map(len, contents))
             n0, n1 = lens.count(0), lens.count(1)
             self.string_bytes += _ASCII_STR * (len(lens) - n0 - n1) + sum(lens) - n1
+            self.longest = max(self.longest, _ASCII_STR + max(lens))
             return
         self._sized(list(map(sys.getsizeof, map(_DECODE, contents))))
 
@@ -230,16 +249,20 @@ class FeatureTally:
         if not literals:
             return
         self.strings += len(literals)
+        self.escaped = 1
         try:
             decoded = _LENIENT.decode("[" + ",".join(map(_DECODE, literals)) + "]")
         except ValueError:  # not valid JSON strings: bound each (its parse will fail anyway)
-            self.string_bytes += sum(_WIDE_STR + 4 * len(lit) for lit in literals)
+            bounds = [_WIDE_STR + 4 * len(lit) for lit in literals]
+            self.string_bytes += sum(bounds)
+            self.longest = max(self.longest, *bounds)
             return
         self._sized(list(map(sys.getsizeof, decoded)))
 
     def _sized(self, sizes: list[int]) -> None:
         # 49 and 50 are the sizes of "" and of a one-character ASCII str only: singletons
         self.string_bytes += sum(sizes) - _EMPTY * sizes.count(_EMPTY) - _ONE * sizes.count(_ONE)
+        self.longest = max(self.longest, *sizes)
 
     def outside(self, out: bytes, after_number: bool) -> None:
         """The text outside strings of one piece (strings replaced by spaces); ``after_number``:
@@ -273,6 +296,8 @@ class FeatureTally:
             small_ints=self.small_ints,
             number_bytes=self.number_bytes,
             literals=self.literals,
+            longest_string=self.longest,
+            escaped=self.escaped,
             nonascii_bytes=self.nonascii,
             lead3_bytes=self.lead3,
             chars=nbytes - self.cont,

@@ -233,7 +233,9 @@ class Ledger:
         self._fits("stream_frame", need)
         return need
 
-    def admit_accumulated(self, data: BytesLike, nodes: int | None = None) -> int:
+    def admit_accumulated(
+        self, data: BytesLike, nodes: int | None = None, *, features: JsonFeatures | None = None
+    ) -> int:
         """Charge what the stream accumulator keeps: delta text, a finished item, the terminal
         response. ``(32*len + 256*nodes)``, × 2 with store. Pass ``nodes=0`` for plain delta text.
 
@@ -244,15 +246,21 @@ class Ledger:
         m, store, n = self._model, self._store, len(data)
         if m.parse is not None:
             raw = data if isinstance(data, bytes) else bytes(data)
-            f = None if nodes == 0 else json_features(raw)
+            f = None if nodes == 0 else features if features is not None else json_features(raw)
             return self._commit("accumulated", m.measured_accumulated(raw, f, store))
         self._fits("accumulated", m.accumulated_charge(n, 0, store))
         return self._commit("accumulated", m.accumulated_charge(n, self._nodes(data, nodes), store))
 
-    def admit_terminal(self, serialized: BytesLike) -> int:
-        """Charge encoding the final response: ``4*len`` (+ ``2*len`` with store). Phase
-        ``terminal``."""
-        return self._commit("terminal", self._model.terminal_charge(len(serialized), self._store))
+    def admit_terminal(self, serialized: BytesLike, *, features: JsonFeatures | None = None) -> int:
+        """Charge encoding the final response: reference ``4*len`` (+ ``2*len`` with store);
+        measured `ChargeModel.measured_terminal` of the encoding's features (counted here when not
+        given). Phase ``terminal``."""
+        m = self._model
+        if m.parse is not None:
+            raw = serialized if isinstance(serialized, bytes) else bytes(serialized)
+            f = features if features is not None else json_features(raw)
+            return self._commit("terminal", m.measured_terminal(f, self._store))
+        return self._commit("terminal", m.terminal_charge(len(serialized), self._store))
 
     def admit_tool_result(self, raw: BytesLike, nodes: int | None = None) -> int:
         """Charge a gateway tool result before it is kept: ``(32*len + 256*nodes)``, × 2 with

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 __all__ = ["ChargeModel", "ParsePrices", "text_serialized_bound"]
 
 _MAX_FACTOR: Final = 1 << 20
+ACCUMULATED_FRAGMENTS: Final = 100_000
+"""Fragments CPython 3.11's C JSON encoder holds before it joins them (``_PyAccu``)."""
 _CTRL: Final = bytes(range(0x20)) + b'"\\'
 _CTRL_ESCAPE: Final = bytes(range(0x20))
 _HIGH: Final = bytes(range(0x80, 0x100))
@@ -61,9 +63,10 @@ class ParsePrices:
     * ``number`` — an `int` or `float` object (the ints ``-5..=256`` are shared and cost nothing),
       plus ``number_byte`` per byte of the token (big integers);
     * ``parse_member`` — transient per key while parsing: the scanner's key memo and the
-      ``object_pairs_hook`` pairs list of `loads_strict`;
-    * ``dump_token`` / ``dump_number`` — transient per string / number token while
-      ``json.dumps`` encodes (each becomes a new `str` fragment before the join);
+      ``object_pairs_hook`` pairs list of `loads_strict`; ``memo_member`` — the key memo alone
+      (plain ``json.loads``, the upstream parser);
+    * ``dump_token`` — transient per string or number token while ``json.dumps`` encodes (each
+      becomes a new `str` fragment before the join);
     * ``base`` — per payload: the parser's and encoder's own objects;
     * ``margin_eighths`` — every measured charge is multiplied by this over 8 (9: +12.5 %), head
       room for allocator rounding across interpreter builds.
@@ -80,9 +83,9 @@ class ParsePrices:
     number: int = 32
     number_byte: int = 1
     parse_member: int = 112
+    memo_member: int = 48
     dump_token: int = 56
-    dump_number: int = 32
-    base: int = 1024
+    base: int = 1536
     margin_eighths: int = 9
 
     def __post_init__(self) -> None:
@@ -111,14 +114,16 @@ class ParsePrices:
             + self.number_byte * f.number_bytes
         )
 
-    def parse_peak(self, f: JsonFeatures) -> int:
+    def parse_peak(self, f: JsonFeatures, *, strict: bool = True) -> int:
         """What a parse of ``f``'s text needs at its peak: the worse of decoding the bytes
-        (`decode_peak`) and the decoded text with the parsed value and the transient key memo /
-        pairs."""
-        builder = f.string_bytes if f.nonascii_bytes else 0  # the scanner's copy of a wide string
-        return max(
-            self.decode_peak(f), f.text_bytes + self.parsed(f) + self.parse_member * f.members + builder
-        )
+        (`decode_peak`) and the decoded text with the parsed value, the transient key memo /
+        pairs (``strict``: `budget.loads_strict`; else plain ``json.loads``, the key memo only)
+        and, for text with escapes or wide characters, the scanner's buffer for the string
+        it is building (the longest at worst)."""
+        # the scanner builds a string with escapes or wide characters in a buffer, then copies it
+        builder = f.longest_string if f.nonascii_bytes or f.escaped else 0
+        per_member = self.parse_member if strict else self.memo_member
+        return max(self.decode_peak(f), f.text_bytes + self.parsed(f) + per_member * f.members + builder)
 
     @staticmethod
     def decode_peak(f: JsonFeatures) -> int:
@@ -132,12 +137,13 @@ class ParsePrices:
 
     def dump_peak(self, f: JsonFeatures) -> int:
         """What one compact ``json.dumps(...).encode()`` of the parsed value needs at its peak:
-        the encoder's fragments, the joined `str` and its `bytes` (3 × `serialized_bound`), a
-        list slot and a separator per node (16) and a new `str` per string or number token
-        (``dump_token``)."""
-        return (
-            3 * f.serialized_bound + 16 * f.nodes + self.dump_token * f.strings + self.dump_number * f.numbers
-        )
+        the encoder's fragments, the joined `str` and its `bytes` (3 × `serialized_bound`), plus
+        the fragments list: CPython 3.11's encoder keeps at most `ACCUMULATED_FRAGMENTS` of them
+        before joining, a list slot each (a token and a separator per node) and a new `str` per
+        string or number token (``dump_token``)."""
+        fragments = min(2 * f.nodes + 2, ACCUMULATED_FRAGMENTS)
+        tokens = min(f.strings + f.numbers, ACCUMULATED_FRAGMENTS)
+        return 3 * f.serialized_bound + 8 * fragments + self.dump_token * tokens
 
     def request_peak(self, f: JsonFeatures) -> int:
         """The parsed value's worst moment: parsing it, or encoding it with the value alive."""
@@ -295,11 +301,20 @@ class ChargeModel:
         return p.margin(p.base + f.nbytes + p.request_peak(f) + projection)
 
     def measured_output(self, f: JsonFeatures, store: bool) -> int:
-        """Buffered upstream body (measured): its chunks and the joined body (2 × bytes) + the
-        parse's peak + the client answer's encoding, with store + the projection; × the margin."""
+        """Buffered upstream body (measured), while it is held and parsed: its chunks and the
+        joined body (2 × bytes) + the parse's peak; × the margin. What the round keeps of it is
+        the accumulated charge (with store's projection), its encoding for the client the
+        terminal charge. ``store`` changes nothing here."""
+        p = self._parse()
+        return p.margin(p.base + 2 * f.nbytes + p.parse_peak(f, strict=False))
+
+    def measured_terminal(self, f: JsonFeatures, store: bool) -> int:
+        """Encoding the final response (measured), from the features of its encoding: the
+        encoder's peak (`ParsePrices.dump_peak`), with store + the projection (`str` and
+        `bytes`); × the margin."""
         p = self._parse()
         projection = 2 * f.serialized_bound if store else 0
-        return p.margin(p.base + 2 * f.nbytes + p.request_peak(f) + projection)
+        return p.margin(p.dump_peak(f) + projection)
 
     def measured_tool_result(self, raw: bytes, store: bool) -> int:
         """A gateway tool result's text (measured): its bytes, its `str`, its encoding as a JSON

@@ -190,6 +190,16 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         devmodel: BackgroundServer | None = None
         base_url = settings.upstream
+        model = ChargeModel.named(settings.charge_model)
+        limit = settings.max_retained_bytes
+        log.info(
+            "charge model %s: raw body clamp %d bytes, buffered upstream clamp %d bytes "
+            "(max_retained_bytes=%d)",
+            model.name,
+            model.body_clamp(limit),
+            model.upstream_clamp(limit),
+            limit,
+        )
         if base_url is None:
             from middleware.dev.devmodel import create_devmodel_app
 

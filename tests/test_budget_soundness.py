@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from budget import ChargeModel, count_json_nodes, loads_strict
 from budget.calibrate import SHAPES, measure, parsers
 
-MODELS = {"default": ChargeModel.default(), "cpython": ChargeModel.cpython()}
+MODELS = {"reference": ChargeModel.reference(), "measured (size-only bounds)": ChargeModel.measured()}
 PARSERS = {**parsers(), "loads_strict": loads_strict}
 SIZE = 48 * 1024
 
@@ -36,10 +36,10 @@ def test_input_charge_covers_retained_memory(shape: str, parser: str) -> None:
         assert charge >= retained, (name, shape, parser, charge, retained)
 
 
-def test_cpython_model_also_covers_the_json_loads_parse_peak() -> None:
+def test_measured_size_only_bounds_also_covers_the_json_loads_parse_peak() -> None:
     for shape, make in SHAPES.items():
         payload = make(SIZE)
-        charge = ChargeModel.cpython().input_charge(len(payload), count_json_nodes(payload), store=False)
+        charge = ChargeModel.measured().input_charge(len(payload), count_json_nodes(payload), store=False)
         _retained, peak = measure(json.loads, payload)
         assert charge >= peak, (shape, charge, peak)
 
