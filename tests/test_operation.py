@@ -159,15 +159,20 @@ def test_concurrency_cap_refuses_with_503(upstream: MockUpstream) -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["admit", "take", "give", "close"]), st.integers(0, 400_000)), max_size=60
+        st.tuples(
+            st.sampled_from(["admit", "take", "give", "close"]),
+            st.integers(0, 400_000),
+            st.sampled_from("abc"),
+        ),
+        max_size=60,
     )
 )
-def test_pool_never_exceeds_its_budget_or_goes_negative(ops: list[tuple[str, int]]) -> None:
-    pool = ProcessPool(1_000_000)
+def test_pool_never_exceeds_its_budget_or_goes_negative(ops: list[tuple[str, int, str]]) -> None:
+    pool = ProcessPool(1_000_000, max_share_per_caller=0.5)
     live: list[Any] = []
-    for op, n in ops:
-        if op == "admit" and pool.refusal(n) is None:
-            live.append(pool.admit(n))
+    for op, n, caller in ops:
+        if op == "admit" and pool.share_refusal(n, caller=caller) is None and pool.refusal(n) is None:
+            live.append(pool.admit(n, caller=caller))
         elif op == "take" and live:
             live[n % len(live)].try_take(n)
         elif op == "give" and live:
@@ -179,9 +184,12 @@ def test_pool_never_exceeds_its_budget_or_goes_negative(ops: list[tuple[str, int
         assert pool.charged == sum(r.charged for r in live)  # the live gauge is the sum of the ledgers
         assert 0 <= pool.charged <= pool.reserved
         assert all(r.charged <= r.held or r.held == 0 for r in live)
+        held_by = {c: sum(r.held for r in live if r.caller == c) for c in "abc"}
+        assert pool.held_by == {c: held for c, held in held_by.items() if held}  # no entry at 0
+        assert all(held <= pool.caller_cap for held in pool.held_by.values())
     for res in live:
         res.close()
-    assert pool.reserved == 0 and pool.requests == 0 and pool.charged == 0
+    assert pool.reserved == 0 and pool.requests == 0 and pool.charged == 0 and pool.held_by == {}
 
 
 def test_memory_pressure_sheds_new_requests_and_readyz_reports_it(upstream: MockUpstream) -> None:
