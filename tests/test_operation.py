@@ -78,7 +78,8 @@ def wait_metric_zero(name: str, within: float = 3.0) -> float:
 def test_pool_admits_two_400k_reservations_and_refuses_the_third_before_reading_it(
     upstream: MockUpstream,
 ) -> None:
-    """Pool 1 MiB, reservations 400 KiB (Content-Length 6400 x 64 budget bytes per byte)."""
+    """Pool 1 MiB, reservations 400 KiB (Content-Length 6400 x 64 budget bytes per byte); one
+    caller may hold the whole pool here (the per-caller share is tests/test_caller_share.py)."""
     gates = [threading.Event(), threading.Event()]
     upstream.push(
         *[
@@ -90,7 +91,9 @@ def test_pool_admits_two_400k_reservations_and_refuses_the_third_before_reading_
         ]
     )
     body = body_of(6400)
-    with gateway(upstream, max_inflight_retained_bytes=1_048_576, retry_after=2.0) as (url, counter):
+    with gateway(
+        upstream, max_inflight_retained_bytes=1_048_576, max_inflight_share_per_caller=1.0, retry_after=2.0
+    ) as (url, counter):
         m = MetricDelta()
         results: list[int] = []
         threads = [
