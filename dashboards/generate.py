@@ -389,7 +389,8 @@ def _operations() -> JSON:
         Panel(
             "Cap hits by limit and outcome",
             "Cap hits per second by limit (max_retained_bytes, request_body, upstream_body, max_infer_iters,"
-            " max_tool_calls, tool_timeout, client_body_timeout, request_deadline, admission) and outcome"
+            " max_tool_calls, tool_timeout, client_body_timeout, request_deadline, admission, caller_share)"
+            " and outcome"
             " (HTTP status, sse_error, incomplete, tool_error).",
             ["cap_hits_by_limit_outcome"],
             unit="ops",

@@ -243,10 +243,21 @@ def create_app(
     pool = ProcessPool(
         settings.max_inflight_retained_bytes or default_pool_bytes(settings.workers),
         max_requests=settings.max_concurrent_requests,
+        max_share_per_caller=settings.max_inflight_share_per_caller,
         pressure=pressure_source,
         pressure_threshold=settings.memory_pressure_threshold,
     )
     state.pool = pool
+    if pool.caller_cap < settings.max_retained_bytes <= pool.budget:
+        log.warning(
+            "one caller's share of the pool (%d budget bytes: --max-inflight-share-per-caller=%g of %d) is "
+            "under max_retained_bytes=%d: a request without Content-Length reserves max_retained_bytes and "
+            "will be refused (413); raise --max-inflight-retained-bytes or the share",
+            pool.caller_cap,
+            pool.share,
+            pool.budget,
+            settings.max_retained_bytes,
+        )
     responses = BudgetMiddleware(
         ResponsesApp(state),
         limits=settings.limits,

@@ -71,6 +71,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--max-concurrent-requests", type=int, help="requests in flight per worker (default 0: no cap)"
     )
     p.add_argument(
+        "--max-inflight-share-per-caller",
+        type=float,
+        help="share of the worker's pool one caller (API key, or client address when open) may hold, "
+        "in (0, 1] (default 0.5)",
+    )
+    p.add_argument(
         "--retry-after", type=float, help="Retry-After seconds on a 503 overload refusal (default 1)"
     )
     p.add_argument(

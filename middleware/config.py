@@ -66,6 +66,7 @@ class Settings:
     tool_max_result_bytes: int = 262_144
     max_inflight_retained_bytes: int = 0
     max_concurrent_requests: int = 0
+    max_inflight_share_per_caller: float = 0.5
     retry_after: float = 1.0
     memory_pressure_threshold: float = 0.9
     request_deadline: float = 1800.0
@@ -102,6 +103,10 @@ class Settings:
         if self.max_concurrent_requests < 0:
             raise SettingsError(
                 f"max_concurrent_requests must be >= 0 (0: no cap), got {self.max_concurrent_requests}"
+            )
+        if not 0 < self.max_inflight_share_per_caller <= 1:
+            raise SettingsError(
+                f"max_inflight_share_per_caller must be in (0, 1], got {self.max_inflight_share_per_caller}"
             )
         if not 0 < self.memory_pressure_threshold <= 1:
             raise SettingsError(

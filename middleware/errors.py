@@ -19,7 +19,10 @@ Failure                          base: ``message``, ``param``, ``code`` (rows th
 ├── HistoryTooLarge              the stored history does not fit the ledger (413 max_retained_bytes_exceeded)
 ├── LoopLimitReached             gateway tools still called after max_infer_iters calls (508)
 ├── Overloaded                   the process pool is full (503 server_overloaded)
+│   └── CallerShareFull          the caller's share of the pool is full (503 server_overloaded)
 ├── ProcessBudgetExceeded        one reservation larger than the whole pool (413)
+│   └── CallerShareTooLarge      one reservation larger than a caller's whole share (413)
+├── CallerShareExhausted         growth refused mid-request by the caller's share (413 / 502, by ``phase``)
 ├── ShuttingDown                 draining: refused, or the drain timeout passed (503)
 ├── DeadlineExceeded             --request-deadline passed (504)
 ├── McpServerUnavailable         an MCP server's tools/list failed (502)
@@ -145,6 +148,36 @@ class ProcessBudgetExceeded(Failure):
     """One request's reservation is larger than the whole process pool."""
 
     row = "process_budget_exceeded"
+
+
+class CallerShareFull(Overloaded):
+    """Admission control: the caller's share of the pool (``--max-inflight-share-per-caller``) is
+    full; refused before its body is read. Facts: ``requested``, ``held``, ``share`` (bytes)."""
+
+    row = "caller_share_full"
+
+
+class CallerShareTooLarge(ProcessBudgetExceeded):
+    """One request's reservation is larger than a caller's whole share of the pool: no caller can
+    ever send it. Facts: ``requested``, ``limit`` (the share, bytes)."""
+
+    row = "caller_share_too_large"
+
+
+class CallerShareExhausted(Failure):
+    """A ledger charge mid-request was refused because the caller's share of the pool is full:
+    the `budget.PoolExhausted` the ledger raised, explained (``middleware.asgi.intake.Intake.explain``).
+
+    ``phase``: the ledger phase (``budget.Phase``); the outcome table answers 413 for the initial
+    payload, restored history and a lowered limit, 502 (or an SSE error frame) later. Facts:
+    ``requested``, ``held``, ``share`` (bytes).
+    """
+
+    row = "caller_share_later"
+
+    def __init__(self, message: str, *, phase: str, requested: int, held: int, share: int) -> None:
+        super().__init__(message, phase=phase, requested=requested, held=held, share=share)
+        self.phase = phase
 
 
 class ShuttingDown(Failure):

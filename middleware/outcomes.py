@@ -2,8 +2,8 @@
 
 `OUTCOMES` holds one `Row` per situation of the §5 table. `resolve(exc, committed=...)` finds the
 row of any exception — a `middleware.errors.Failure`, an upstream failure, `budget.BudgetExceeded`
-/ `PoolExhausted` (by ``phase``: the initial payload, restored history and a lowered limit are
-413, anything later 502), the store's `StoreUnavailable`, anything else (500 ``internal_error``,
+/ `PoolExhausted` / `CallerShareExhausted` (by ``phase``: the initial payload, restored history and
+a lowered limit are 413, anything later 502), the store's `StoreUnavailable`, anything else (500 ``internal_error``,
 a bug) — and returns an `Outcome`: the HTTP status, envelope ``type`` and ``code``, the message,
 ``param``, headers, the cap-hit label and the stored status. Then
 
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from budget import BudgetExceeded, PoolExhausted
-from middleware.errors import Failure, MethodNotAllowed, ShuttingDown
+from middleware.errors import CallerShareExhausted, Failure, MethodNotAllowed, ShuttingDown
 from middleware.ops import metrics
 from middleware.ops.request_id import REQUEST_ID
 from middleware.store.backends import StoreUnavailable
@@ -173,6 +173,22 @@ OUTCOMES: Final[Mapping[str, Row]] = {
     "pool_later": Row(
         "the process pool has no room for a later charge", 502, "process_budget_exceeded", cap="admission"
     ),
+    "caller_share_full": Row(
+        "one caller's share of the process pool full (--max-inflight-share-per-caller)",
+        503, "server_overloaded", cap="caller_share", close=True, retry_after=True, after_commit=False,
+    ),
+    "caller_share_too_large": Row(
+        "one request's reservation larger than a caller's whole share of the process pool",
+        413, "process_budget_exceeded", cap="caller_share", deterministic=True, close=True, after_commit=False,
+    ),
+    "caller_share_initial": Row(
+        "the caller's share of the process pool has no room for the initial payload's charge",
+        413, "process_budget_exceeded", cap="caller_share", deterministic=True, after_commit=False,
+    ),
+    "caller_share_later": Row(
+        "the caller's share of the process pool has no room for a later charge",
+        502, "process_budget_exceeded", cap="caller_share",
+    ),
     "model_not_found": Row(
         "unknown model (when models are configured)", 404, "model_not_found", deterministic=True, after_commit=False
     ),
@@ -241,6 +257,8 @@ def row_of(exc: BaseException) -> str:
         if exc.status in PASSED_STATUSES:
             return "upstream_4xx"
         return "upstream_5xx"
+    if isinstance(exc, CallerShareExhausted):
+        return "caller_share_initial" if exc.phase in INITIAL_PHASES else "caller_share_later"
     if isinstance(exc, Failure):
         return exc.row
     if isinstance(exc, BudgetExceeded):

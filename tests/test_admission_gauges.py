@@ -45,7 +45,7 @@ def pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[ProcessPool]:
 
 
 def test_live_ledger_gauge_is_the_sum_of_charges_not_the_reservations(pool: ProcessPool) -> None:
-    first, second = pool.admit(1 * MiB), pool.admit(2 * MiB)
+    first, second = pool.admit(1 * MiB, caller="a"), pool.admit(2 * MiB, caller="b")
     a = Ledger(64 * MiB, pool=first)
     b = Ledger(64 * MiB, pool=second)
     a.admit_input(b'{"model":"m","input":"' + b"x" * 1000 + b'"}')
@@ -75,7 +75,7 @@ def test_charges_and_releases_write_no_gauge_start_and_end_do(
     writes: list[tuple[str, float]] = []
     for gauge, name in ((metrics.INFLIGHT_RETAINED, LIVE), (metrics.ADMISSION_RESERVED, RESERVED)):
         monkeypatch.setattr(gauge, "set", lambda value, name=name: writes.append((name, value)))
-    reservation = pool.admit(4096)
+    reservation = pool.admit(4096, caller="a")
     assert writes == [(RESERVED, 4096), (LIVE, 0)]
     writes.clear()
     ledger = Ledger(64 * MiB, pool=reservation)
@@ -89,7 +89,7 @@ def test_charges_and_releases_write_no_gauge_start_and_end_do(
 
 
 def test_a_refused_charge_changes_neither_number(pool: ProcessPool) -> None:
-    reservation = pool.admit(1 * MiB)
+    reservation = pool.admit(1 * MiB, caller="a")
     ledger = Ledger(64 * MiB, pool=reservation)
     with pytest.raises(PoolExhausted):
         ledger.reserve(32 * MiB)  # over the 16 MiB pool
@@ -109,7 +109,7 @@ def scrape():
     return {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples if not s.labels}
 
 pool = ProcessPool(16 << 20)
-reservation = pool.admit(1 << 20)
+reservation = pool.admit(1 << 20, caller="a")
 ledger = Ledger(64 << 20, pool=reservation)
 ledger.reserve(1 << 19)  # under the reservation: charged 512 KiB, reserved 1 MiB
 during = scrape()

@@ -78,7 +78,8 @@ def wait_metric_zero(name: str, within: float = 3.0) -> float:
 def test_pool_admits_two_400k_reservations_and_refuses_the_third_before_reading_it(
     upstream: MockUpstream,
 ) -> None:
-    """Pool 1 MiB, reservations 400 KiB (Content-Length 6400 x 64 budget bytes per byte)."""
+    """Pool 1 MiB, reservations 400 KiB (Content-Length 6400 x 64 budget bytes per byte); one
+    caller may hold the whole pool here (the per-caller share is tests/test_caller_share.py)."""
     gates = [threading.Event(), threading.Event()]
     upstream.push(
         *[
@@ -90,7 +91,9 @@ def test_pool_admits_two_400k_reservations_and_refuses_the_third_before_reading_
         ]
     )
     body = body_of(6400)
-    with gateway(upstream, max_inflight_retained_bytes=1_048_576, retry_after=2.0) as (url, counter):
+    with gateway(
+        upstream, max_inflight_retained_bytes=1_048_576, max_inflight_share_per_caller=1.0, retry_after=2.0
+    ) as (url, counter):
         m = MetricDelta()
         results: list[int] = []
         threads = [
@@ -159,15 +162,20 @@ def test_concurrency_cap_refuses_with_503(upstream: MockUpstream) -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["admit", "take", "give", "close"]), st.integers(0, 400_000)), max_size=60
+        st.tuples(
+            st.sampled_from(["admit", "take", "give", "close"]),
+            st.integers(0, 400_000),
+            st.sampled_from("abc"),
+        ),
+        max_size=60,
     )
 )
-def test_pool_never_exceeds_its_budget_or_goes_negative(ops: list[tuple[str, int]]) -> None:
-    pool = ProcessPool(1_000_000)
+def test_pool_never_exceeds_its_budget_or_goes_negative(ops: list[tuple[str, int, str]]) -> None:
+    pool = ProcessPool(1_000_000, max_share_per_caller=0.5)
     live: list[Any] = []
-    for op, n in ops:
-        if op == "admit" and pool.refusal(n) is None:
-            live.append(pool.admit(n))
+    for op, n, caller in ops:
+        if op == "admit" and pool.share_refusal(n, caller=caller) is None and pool.refusal(n) is None:
+            live.append(pool.admit(n, caller=caller))
         elif op == "take" and live:
             live[n % len(live)].try_take(n)
         elif op == "give" and live:
@@ -179,9 +187,12 @@ def test_pool_never_exceeds_its_budget_or_goes_negative(ops: list[tuple[str, int
         assert pool.charged == sum(r.charged for r in live)  # the live gauge is the sum of the ledgers
         assert 0 <= pool.charged <= pool.reserved
         assert all(r.charged <= r.held or r.held == 0 for r in live)
+        held_by = {c: sum(r.held for r in live if r.caller == c) for c in "abc"}
+        assert pool.held_by == {c: held for c, held in held_by.items() if held}  # no entry at 0
+        assert all(held <= pool.caller_cap for held in pool.held_by.values())
     for res in live:
         res.close()
-    assert pool.reserved == 0 and pool.requests == 0 and pool.charged == 0
+    assert pool.reserved == 0 and pool.requests == 0 and pool.charged == 0 and pool.held_by == {}
 
 
 def test_memory_pressure_sheds_new_requests_and_readyz_reports_it(upstream: MockUpstream) -> None:

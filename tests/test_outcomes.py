@@ -71,6 +71,26 @@ EXAMPLES: dict[str, tuple[BaseException, int, str]] = {
     "process_budget_exceeded": (errors.ProcessBudgetExceeded("huge"), 413, "process_budget_exceeded"),
     "pool_initial": (PoolExhausted("input", 10), 413, "process_budget_exceeded"),
     "pool_later": (PoolExhausted("accumulated", 10), 502, "process_budget_exceeded"),
+    "caller_share_full": (
+        errors.CallerShareFull("share full", requested=9, held=5, share=10),
+        503,
+        "server_overloaded",
+    ),
+    "caller_share_too_large": (
+        errors.CallerShareTooLarge("over the share", requested=11, limit=10),
+        413,
+        "process_budget_exceeded",
+    ),
+    "caller_share_initial": (
+        errors.CallerShareExhausted("share full", phase="input", requested=1, held=10, share=10),
+        413,
+        "process_budget_exceeded",
+    ),
+    "caller_share_later": (
+        errors.CallerShareExhausted("share full", phase="accumulated", requested=1, held=10, share=10),
+        502,
+        "process_budget_exceeded",
+    ),
     "model_not_found": (errors.ModelNotFound("no such model", param="model"), 404, "model_not_found"),
     "server_shutting_down": (errors.ShuttingDown("drain", refused=False), 503, "server_shutting_down"),
     "server_shutting_down_refused": (errors.ShuttingDown("drain", refused=True), 503, "server_shutting_down"),

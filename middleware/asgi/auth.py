@@ -5,6 +5,14 @@
 configured the gateway is open (the CLI warns at start-up). Either way the caller's identity,
 `owner`, is a SHA-256 hash of the presented key (of the empty string when none), so stored
 responses are isolated per key and no key is ever stored. Keys are compared in constant time.
+
+The *caller* whose share of the process pool a request counts against (DESIGN.md §4,
+`Authenticator.caller`) is the owner when keys are configured; on an open gateway, where anyone
+may present any key, it is the client address instead. That address is ``scope["client"]``,
+which uvicorn's proxy-headers handling (on by default) has already replaced with the
+``X-Forwarded-For`` client when the peer is a trusted proxy — uvicorn's ``forwarded_allow_ips``,
+from ``$FORWARDED_ALLOW_IPS``, default ``127.0.0.1,::1``; a forwarded address from any other peer
+is ignored. (uvicorn reads ``X-Forwarded-For`` only, not RFC 7239 ``Forwarded``.)
 """
 
 from __future__ import annotations
@@ -47,6 +55,14 @@ class Authenticator:
     def open(self) -> bool:
         """True when no key is configured (every request is admitted)."""
         return not self._digests
+
+    def caller(self, scope: Scope, owner: str) -> str:
+        """The admission caller of a request whose `owner` is known: ``owner`` when keys are
+        configured, else ``addr:<client host>`` (``addr:-`` when the server gives no address)."""
+        if self._digests:
+            return owner
+        client = scope.get("client")
+        return f"addr:{client[0] if client else '-'}"
 
     def owner(self, scope: Scope) -> str:
         """The request's owner; raises 401 ``invalid_api_key`` when keys are configured and the

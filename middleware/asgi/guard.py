@@ -217,6 +217,7 @@ class _Guard:
         """The one answer to `exc`: record it, store it, then answer it."""
         if self.client.finished:
             return
+        exc = self.intake.explain(exc)  # a pool refusal the caller's share made says so
         after_tools = ctx is not None and ctx.hooks.tools_ran
         committed = self.client.committed
         try:

@@ -3,12 +3,15 @@
 The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (or
 `budget.BudgetExceeded` / `PoolExhausted`) for the guard to answer:
 
-0. the gateway API key (`Unauthenticated`) and the caller's identity;
+0. the gateway API key (`Unauthenticated`), the caller's identity (``owner``) and the caller whose
+   share of the process pool the request counts against (``caller``: the owner, or the client
+   address on an open gateway);
 1. the effective `Limits`: server settings and the client's lowering headers
    ``loopwarden-max-retained-bytes`` / ``loopwarden-max-infer-iters`` (`InvalidHeader`); the
    smallest wins;
 2. the drain (`ShuttingDown`) and admission control: a reservation from the process pool
-   (`ProcessBudgetExceeded`, `Overloaded`) before a byte of the body is read;
+   (`ProcessBudgetExceeded`, `CallerShareTooLarge`, `Overloaded`, then `CallerShareFull`) before a
+   byte of the body is read;
 3. the raw body clamp (`budget.ChargeModel.body_clamp` of the most permissive configured charge
    model) from ``Content-Length`` and while reading
    (`BodyTooLarge`), within ``client_body_timeout`` seconds (`BodyTimeout`), counting JSON nodes in
@@ -34,6 +37,7 @@ from budget import (
     JsonTooDeep,
     Ledger,
     Limits,
+    PoolExhausted,
     loads_strict,
     locate_invalid,
 )
@@ -44,6 +48,9 @@ from middleware.asgi.validate import validate_request
 from middleware.errors import (
     BodyTimeout,
     BodyTooLarge,
+    CallerShareExhausted,
+    CallerShareFull,
+    CallerShareTooLarge,
     InvalidHeader,
     InvalidRequest,
     ModelNotFound,
@@ -103,8 +110,8 @@ class Intake:
 
     What it acquired stays on the object for the guard to settle whatever happens:
     ``reservation`` (the pool's), ``ledger`` (the request's), ``model_label`` (the metric label),
-    ``owner`` (the caller's hash) and ``lowered`` (the limits this request lowered with its own
-    headers).
+    ``owner`` (the caller's hash), ``caller`` (whose pool share it counts against) and ``lowered``
+    (the limits this request lowered with its own headers).
     """
 
     def __init__(self, scope: Scope, receive: Receive, config: IntakeConfig) -> None:
@@ -112,6 +119,7 @@ class Intake:
         self.receive = receive
         self.config = config
         self.owner = ""
+        self.caller = ""
         self.reservation: RequestReservation | None = None
         self.ledger: Ledger | None = None
         self.model_label = "other"
@@ -120,6 +128,7 @@ class Intake:
     async def admit(self, client: ClientStream) -> RequestContext:
         """Run the checks; the admitted request, its ledger charged with the body."""
         self.owner = self.config.authenticator.owner(self.scope)
+        self.caller = self.config.authenticator.caller(self.scope, self.owner)
         limits = self.effective_limits()
         permissive = self.config.permissive_model
         clamp = permissive.body_clamp(limits.max_retained_bytes)
@@ -232,13 +241,59 @@ class Intake:
                 requested=initial,
                 limit=pool.budget,
             )
+        if initial > pool.caller_cap:
+            hint = (
+                "send a Content-Length (a body without one reserves max_retained_bytes), "
+                if declared is None
+                else ""
+            )
+            raise CallerShareTooLarge(
+                f"this request would reserve {initial} budget bytes, more than one caller's whole share of "
+                f"this worker's pool: {pool.caller_cap} (--max-inflight-share-per-caller={pool.share:g} of "
+                f"--max-inflight-retained-bytes={pool.budget}); {hint}lower loopwarden-max-retained-bytes or "
+                "send less, or ask the operator to raise the share",
+                requested=initial,
+                limit=pool.caller_cap,
+            )
         reason = pool.refusal(initial)
         if reason is not None:
             raise Overloaded(
                 f"the gateway is overloaded: {reason}; retry after {self.config.retry_after:g} s",
                 requested=initial,
             )
-        return pool.admit(initial)
+        reason = pool.share_refusal(initial, caller=self.caller)
+        if reason is not None:
+            raise CallerShareFull(
+                f"the gateway refuses this caller for now: {reason}; retry after "
+                f"{self.config.retry_after:g} s, once fewer of its requests are in flight",
+                requested=initial,
+                held=pool.held(self.caller),
+                share=pool.caller_cap,
+            )
+        return pool.admit(initial, caller=self.caller)
+
+    def explain(self, exc: Exception) -> Exception:
+        """`exc`, or — for a `budget.PoolExhausted` that the caller's share refused (the
+        reservation's last refusal) — the `CallerShareExhausted` saying so, with the same phase
+        and the numbers (budget bytes) for the message and the log line."""
+        reservation = self.reservation
+        if not isinstance(exc, PoolExhausted) or reservation is None or reservation.refusal is None:
+            return exc
+        refusal = reservation.refusal
+        if refusal.limit != "caller_share":
+            return exc
+        pool = self.config.pool
+        return CallerShareExhausted(
+            f"this caller's share of the worker's process budget is full: its requests in flight hold "
+            f"{refusal.held} of the {pool.caller_cap} budget bytes one caller may hold "
+            f"(--max-inflight-share-per-caller={pool.share:g} of --max-inflight-retained-bytes={pool.budget}), "
+            f"and this request needs {refusal.needed} more ({exc.phase}); retry once fewer of its requests are "
+            "in flight",
+            phase=exc.phase,
+            requested=refusal.needed,
+            held=refusal.held,
+            share=pool.caller_cap,
+        )
 
     def _admit_body(
         self,

@@ -17,9 +17,20 @@ files, not functions) the worker answering the scrape writes its values first
 (`metrics.publish_before_scrape`), and every other worker's are the ones it wrote at its last
 request start or end.
 
+One caller (DESIGN.md §4: the API key's owner hash, or the client address when the gateway is
+open — `middleware.asgi.auth.Authenticator.caller`) may hold at most ``max_share_per_caller`` of
+the pool: ``held_by`` maps each caller to the budget bytes its requests hold (reservations and
+their growth; an entry is removed when it drops to 0), so the check is one dict lookup per charge
+that draws from the pool. The caller's share in bytes, `ProcessPool.caller_cap`, is
+``floor(budget_bytes x share)``, the share taken as the decimal it is written as (0.29 of 100 is
+29, not 28); holding exactly the share is admitted, one byte more is refused.
+
 Refusals (the middleware maps them, DESIGN.md §5): a request that does not fit now -> 503
-``server_overloaded`` with ``Retry-After`` (body not read); one whose reservation exceeds the whole
-pool -> 413 ``process_budget_exceeded``; growth refused mid-request -> `budget.PoolExhausted`.
+``server_overloaded`` with ``Retry-After`` (body not read), with the cap-hit label ``admission``,
+or ``caller_share`` when the pool has room but the caller's share has not; one whose reservation
+exceeds the whole pool (or a caller's whole share) -> 413 ``process_budget_exceeded``; growth
+refused mid-request -> `budget.PoolExhausted`, whose cause the reservation keeps
+(`RequestReservation.refusal`).
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
+from typing import Literal
 
 from middleware.ops import metrics
 
@@ -67,10 +80,22 @@ def memory_pressure() -> float:
     return rss_pages * os.sysconf("SC_PAGE_SIZE") / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+#: Which limit refused a draw from the pool: the cap-hit ``limit`` label of the refusal.
+RefusedBy = Literal["admission", "caller_share"]
+
+
+def share_bytes(budget_bytes: int, share: float) -> int:
+    """One caller's share of a pool, in budget bytes: ``floor(budget_bytes x share)``, computed
+    exactly from the decimal spelling of ``share`` (``share_bytes(100, 0.29) == 29``)."""
+    return int(budget_bytes * Fraction(repr(share)))
+
+
 class ProcessPool:
     """The worker's budget: ``budget_bytes`` of ledger charges and ``max_requests`` requests in
-    flight (0: no request cap). ``pressure`` (a callable returning used/allowed memory, polled at
-    most every ``pressure_interval`` seconds) sheds new requests above ``pressure_threshold``.
+    flight (0: no request cap), of which one caller may hold at most ``max_share_per_caller``
+    (a fraction in (0, 1]; 1: no per-caller limit). ``pressure`` (a callable returning
+    used/allowed memory, polled at most every ``pressure_interval`` seconds) sheds new requests
+    above ``pressure_threshold``. Raises ValueError for a budget under 1 or a share outside (0, 1].
     """
 
     def __init__(
@@ -78,14 +103,20 @@ class ProcessPool:
         budget_bytes: int,
         *,
         max_requests: int = 0,
+        max_share_per_caller: float = 1.0,
         pressure: Callable[[], float] | None = None,
         pressure_threshold: float = 0.9,
         pressure_interval: float = 1.0,
     ) -> None:
         if budget_bytes < 1:
             raise ValueError(f"max_inflight_retained_bytes must be >= 1, got {budget_bytes}")
+        if not 0 < max_share_per_caller <= 1:
+            raise ValueError(f"max_inflight_share_per_caller must be in (0, 1], got {max_share_per_caller}")
         self.budget = budget_bytes
         self.max_requests = max_requests
+        self.share = max_share_per_caller
+        self.caller_cap = share_bytes(budget_bytes, max_share_per_caller)  # one caller's share, bytes
+        self.held_by: dict[str, int] = {}  # caller -> budget bytes its live requests hold (never 0)
         self.reserved = 0  # budget bytes held by live requests (their reservations)
         self.charged = 0  # budget bytes their ledgers have charged now (the sum of live ledgers)
         self.requests = 0
@@ -126,8 +157,27 @@ class ProcessPool:
             or self.pressure_ratio() > self.pressure_threshold
         )
 
+    def held(self, caller: str) -> int:
+        """Budget bytes the live requests of ``caller`` hold from the pool now."""
+        return self.held_by.get(caller, 0)
+
+    def share_refusal(self, nbytes: int, *, caller: str) -> str | None:
+        """Why ``caller`` cannot hold ``nbytes`` more now because its share is full (None: it can).
+
+        Holding exactly `caller_cap` is admitted; one byte more is refused."""
+        held = self.held_by.get(caller, 0)
+        if held + nbytes <= self.caller_cap:
+            return None
+        return (
+            f"this caller's share of the pool is full: its requests in flight hold {held} of the "
+            f"{self.caller_cap} budget bytes one caller may hold (--max-inflight-share-per-caller="
+            f"{self.share:g} of --max-inflight-retained-bytes={self.budget}); this request needs {nbytes}"
+        )
+
     def refusal(self, nbytes: int) -> str | None:
-        """Why a request reserving ``nbytes`` cannot be admitted now (None: it can)."""
+        """Why a request reserving ``nbytes`` cannot be admitted now, whoever sends it (None: it
+        can). The caller's own share is `share_refusal`, checked after this one: a ``caller_share``
+        refusal is one the pool alone would have admitted."""
         if self.max_requests > 0 and self.requests >= self.max_requests:
             return f"{self.requests} requests are in flight (--max-concurrent-requests={self.max_requests})"
         ratio = self.pressure_ratio()
@@ -140,23 +190,49 @@ class ProcessPool:
             )
         return None
 
-    def admit(self, nbytes: int) -> RequestReservation:
-        """Reserve ``nbytes`` for a new request (the caller checked `refusal` first)."""
+    def admit(self, nbytes: int, *, caller: str) -> RequestReservation:
+        """Reserve ``nbytes`` for a new request of ``caller`` (the intake checked `share_refusal`
+        and `refusal` first)."""
         self.reserved += nbytes
+        self._hold(caller, nbytes)
         self.requests += 1
         self._publish()
-        return RequestReservation(self, nbytes)
+        return RequestReservation(self, nbytes, caller)
 
-    def take(self, nbytes: int) -> bool:
-        """Draw ``nbytes`` more for a request in flight; False when the pool cannot."""
+    def draw(self, nbytes: int, *, caller: str) -> RefusedBy | None:
+        """Draw ``nbytes`` more for a request of ``caller`` in flight; None when drawn, else the
+        limit that refused it — ``admission`` when the pool has no room, ``caller_share`` when
+        the pool has but the caller's share has not — and nothing changed."""
         if self.reserved + nbytes > self.budget:
-            return False
+            return "admission"
+        if self.held_by.get(caller, 0) + nbytes > self.caller_cap:
+            return "caller_share"
         self.reserved += nbytes
-        return True
+        self._hold(caller, nbytes)
+        return None
 
-    def give(self, nbytes: int) -> None:
-        """Return ``nbytes`` budget bytes to the pool."""
+    def _hold(self, caller: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self.held_by[caller] = self.held_by.get(caller, 0) + nbytes
+
+    def give(self, nbytes: int, *, caller: str) -> None:
+        """Return ``nbytes`` budget bytes that ``caller`` held to the pool."""
         self.reserved -= nbytes
+        left = self.held_by.get(caller, 0) - nbytes
+        if left > 0:
+            self.held_by[caller] = left
+        else:
+            self.held_by.pop(caller, None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a reservation's last draw from the pool was refused: ``limit`` (the cap-hit label),
+    ``held`` (budget bytes the caller held then) and ``needed`` (budget bytes the draw asked)."""
+
+    limit: RefusedBy
+    held: int
+    needed: int
 
 
 @dataclasses.dataclass(eq=False)
@@ -167,23 +243,30 @@ class RequestReservation:
     return to the pool beyond the initial reservation, which is held until `close`. ``charged``
     is the ledger's charged total (``held`` is at least that); the pool's ``charged`` is the sum
     over live reservations. The ledger releases before `close` (the guard's ``release_all``);
-    whatever it still has charged then leaves the pool's sum at `close`.
+    whatever it still has charged then leaves the pool's sum at `close`. ``caller``: whose share
+    the bytes count against. ``refusal``: why the last refused `try_take` was refused (the ledger
+    raises `budget.PoolExhausted` right after, so it explains that exception).
     """
 
     pool: ProcessPool
     initial: int
+    caller: str
     charged: int = 0
     held: int = dataclasses.field(init=False)
     closed: bool = False
+    refusal: Refusal | None = None
 
     def __post_init__(self) -> None:
         self.held = self.initial
 
     def try_take(self, nbytes: int) -> bool:
-        """Charge ``nbytes``; False when neither the reservation nor the pool has room."""
+        """Charge ``nbytes``; False when neither the reservation nor the pool (or the caller's
+        share of it) has room; then `refusal` says which."""
         need = self.charged + nbytes - self.held
         if need > 0:
-            if not self.pool.take(need):
+            refused = self.pool.draw(need, caller=self.caller)
+            if refused is not None:
+                self.refusal = Refusal(refused, self.pool.held(self.caller), need)
                 return False
             self.held += need
         self.charged += nbytes
@@ -197,14 +280,14 @@ class RequestReservation:
         excess = self.held - max(self.initial, self.charged)
         if excess > 0:
             self.held -= excess
-            self.pool.give(excess)
+            self.pool.give(excess, caller=self.caller)
 
     def close(self) -> None:
         """End of request: everything held returns to the pool (idempotent)."""
         if self.closed:
             return
         self.closed = True
-        self.pool.give(self.held)
+        self.pool.give(self.held, caller=self.caller)
         self.pool.charged -= self.charged
         self.pool.requests -= 1
         self.held = 0

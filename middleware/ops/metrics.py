@@ -52,6 +52,7 @@ CAP_LIMITS: tuple[str, ...] = (
     "client_body_timeout",
     "request_deadline",
     "admission",
+    "caller_share",
 )
 #: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
 CAP_OUTCOMES: tuple[str, ...] = (
@@ -89,6 +90,10 @@ CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     ("admission", "413"),  # one reservation larger than the whole pool
     ("admission", "502"),  # the pool has no room for a later charge
     ("admission", "sse_error"),  # the same after commit
+    ("caller_share", "503"),  # one caller's share of the pool full (--max-inflight-share-per-caller)
+    ("caller_share", "413"),  # one reservation over a caller's whole share, or its initial payload
+    ("caller_share", "502"),  # the caller's share has no room for a later charge
+    ("caller_share", "sse_error"),  # the same after commit
 )
 #: ``loopwarden_upstream_errors_total{kind}``.
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
