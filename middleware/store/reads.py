@@ -20,9 +20,10 @@ One read, in order (`middleware.store.routes` drives it):
    released, the reservation closed), however it ends.
 
 Prices: the ledger's history price, ``Ledger.admit_history_size(nbytes, nodes)``, on the stored
-sizes: per item its ``size_bytes`` + `ITEM_EXTRA_BYTES` and ``node_count`` + `ITEM_EXTRA_NODES`
-(what `present_item` may add: ``id``, ``type``, ``status``, a content list), per page
-`PAGE_EXTRA_BYTES` / `PAGE_EXTRA_NODES` once (the list envelope); a stored response, never
+sizes (`item_read_size`): per item its ``size_bytes`` + `ITEM_EXTRA_BYTES` + twice its id's UTF-8
+length (the id as ``first_id`` / ``last_id``), and ``node_count`` + `ITEM_EXTRA_NODES` (what
+`present_item` may add: a minted ``id``, ``type``, ``status``, a content list); per page
+`PAGE_EXTRA_BYTES` / `PAGE_EXTRA_NODES` once (the list envelope). A stored response, never
 decoded, is charged for its bytes only (``admit_history_size(size_bytes, 0)``).
 
 Two bounds, both in budget bytes:
@@ -58,7 +59,7 @@ from budget import BudgetExceeded, ChargeModel, Ledger, Limits, PoolExhausted
 from middleware.asgi.intake import effective_limits
 from middleware.errors import Overloaded, ProcessBudgetExceeded, ShuttingDown, StoredReadTooLarge
 from middleware.ops.admission import DRAIN, DrainState, ProcessPool, RequestReservation
-from middleware.store.store import PageSizes
+from middleware.store.store import ItemSize, PageSizes
 
 __all__ = [
     "ITEM_EXTRA_BYTES",
@@ -67,34 +68,48 @@ __all__ = [
     "PAGE_EXTRA_NODES",
     "StoreRead",
     "StoreReads",
+    "item_read_size",
     "read_ledger_limit",
 ]
 
 #: Bytes and JSON nodes `present_item` may add to a stored item: a minted ``"id"`` (its key and a
 #: 32-hex-digit id with a short prefix), ``"type":"message"``, ``"status":"completed"`` and a
-#: string content wrapped as ``[{"type":"output_text","text":…,"annotations":[]}]`` (a test
-#: checks the worst case stays within both).
-ITEM_EXTRA_BYTES, ITEM_EXTRA_NODES = 256, 16
-#: Bytes and nodes of a page's list envelope (``object``, ``first_id``, ``last_id``, ``has_more``;
-#: the two ids are item ids, bounded like the minted ones).
-PAGE_EXTRA_BYTES, PAGE_EXTRA_NODES = 256, 16
+#: string content wrapped as ``[{"type":"output_text","text":…,"annotations":[]}]``, plus the
+#: separators of the list (a test checks the worst case stays within both).
+ITEM_EXTRA_BYTES, ITEM_EXTRA_NODES = 160, 16
+#: Bytes and nodes of a page's list envelope (``object``, ``data``, ``first_id``, ``last_id``,
+#: ``has_more``), the two ids aside: each item pays for its own id twice (`item_read_size`).
+PAGE_EXTRA_BYTES, PAGE_EXTRA_NODES = 96, 16
 
 #: The model a `Ledger` charges with when given none: the create path's (`middleware.asgi.intake`).
 _LEDGER_MODEL = Ledger(0).model
 
 
-def read_ledger_limit(max_retained_bytes: int, model: ChargeModel) -> int:
-    """The limit (budget bytes) of a read's ledger: enough to read back, alone on its page, any
-    item or response a create request could have stored under ``max_retained_bytes``.
+def item_read_size(row: ItemSize) -> tuple[int, int]:
+    """What reading the stored item ``row`` on a page is charged for, as ``(bytes, nodes)`` at the
+    history price: its stored ``size_bytes`` + `ITEM_EXTRA_BYTES` + 2 × its id's UTF-8 length
+    (the id may be the page's ``first_id`` and ``last_id``), its ``node_count`` +
+    `ITEM_EXTRA_NODES`."""
+    return (
+        row.size_bytes + ITEM_EXTRA_BYTES + 2 * len(row.item_id.encode("utf-8")),
+        row.node_count + ITEM_EXTRA_NODES,
+    )
+
+
+def read_ledger_limit(
+    max_retained_bytes: int, model: ChargeModel, *, extra_bytes: int = 0, extra_nodes: int = 0
+) -> int:
+    """The limit (budget bytes) of a read's ledger: enough to read back, alone, any item or
+    response a create request could have stored under ``max_retained_bytes``, plus what reading
+    it adds (``extra_bytes`` / ``extra_nodes`` of presentation, at the history price).
 
     A create request charged what it stored at least the cheapest create-path price, per byte
     and per node, with the store on: the input, buffered-output, accumulated-output and
     tool-result charges and (bytes only) the terminal encode. A read charges the history price.
     So an item of ``b`` bytes and ``k`` nodes that fitted ``max_retained_bytes`` at create costs
     a read at most ``ceil(max_retained_bytes × max(h_b / c_b, h_k / c_k, 1))``, where ``h_*``
-    are the history prices and ``c_*`` the cheapest create prices; the limit adds one item's
-    `ITEM_EXTRA_*` and the page's `PAGE_EXTRA_*` at the history price. The sizes compared are
-    the stored ones (compact JSON, as measured at write time).
+    are the history prices and ``c_*`` the cheapest create prices. The sizes compared are the
+    stored ones (compact JSON, as measured at write time).
 
     A model whose cheapest create price is 0 where the history price is not can store anything:
     the limit is then unbounded (``sys.maxsize``) and the pool bounds the read.
@@ -122,9 +137,7 @@ def read_ledger_limit(max_retained_bytes: int, model: ChargeModel) -> int:
                 return sys.maxsize
             continue
         scaled = max(scaled, -(-max_retained_bytes * read // create))
-    return scaled + model.history_charge(
-        ITEM_EXTRA_BYTES + PAGE_EXTRA_BYTES, ITEM_EXTRA_NODES + PAGE_EXTRA_NODES
-    )
+    return scaled + model.history_charge(extra_bytes, extra_nodes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,15 +163,15 @@ class StoreReads:
 class StoreRead:
     """The admission of one store read (see the module docstring); per request, never shared.
 
-    ``max_retained_bytes``: the page bound (budget bytes); ``limit``: the read ledger's,
-    `read_ledger_limit` of it. After an ``admit_*``: ``ledger`` (the read's `Ledger`) and
-    ``reservation`` (its share of the pool), both released by `close`.
+    ``max_retained_bytes``: the page bound (budget bytes). After an ``admit_*``: ``ledger`` (the
+    read's `Ledger`, its limit `read_ledger_limit` of the page bound and of what reading the
+    response or the page's first item adds) and ``reservation`` (its share of the pool), both
+    released by `close`.
     """
 
     def __init__(self, reads: StoreReads, max_retained_bytes: int) -> None:
         self.reads = reads
         self.max_retained_bytes = max_retained_bytes
-        self.limit = read_ledger_limit(max_retained_bytes, reads.model)
         self.ledger: Ledger | None = None
         self.reservation: RequestReservation | None = None
 
@@ -166,7 +179,7 @@ class StoreRead:
         """Admit serving the stored response ``response_id`` of ``size_bytes`` bytes (from
         `Store.response_size`), before its text is fetched. Raises the refusals of the module
         docstring."""
-        self._open(f"the stored response {response_id!r} ({size_bytes:,} bytes)", size_bytes, 0)
+        self._open(f"the stored response {response_id[:64]!r} ({size_bytes:,} bytes)", size_bytes, 0, 0, 0)
 
     def admit_page(self, sizes: PageSizes) -> int:
         """Admit the longest prefix of ``sizes`` (from a ``*_item_sizes`` query) that this read
@@ -178,17 +191,24 @@ class StoreRead:
         """
         rows = sizes.rows[: sizes.limit]
         if not rows:
-            self._open("an empty page", PAGE_EXTRA_BYTES, PAGE_EXTRA_NODES)
+            self._open(
+                "an empty page", PAGE_EXTRA_BYTES, PAGE_EXTRA_NODES, PAGE_EXTRA_BYTES, PAGE_EXTRA_NODES
+            )
             return 0
         first = rows[0]
+        nbytes, nodes = item_read_size(first)
+        extra_bytes = PAGE_EXTRA_BYTES + nbytes - first.size_bytes
+        extra_nodes = PAGE_EXTRA_NODES + nodes - first.node_count
         ledger = self._open(
-            f"the stored item {first.item_id!r} ({first.size_bytes:,} bytes, {first.node_count:,} JSON nodes)",
-            PAGE_EXTRA_BYTES + first.size_bytes + ITEM_EXTRA_BYTES,
-            PAGE_EXTRA_NODES + first.node_count + ITEM_EXTRA_NODES,
+            f"the stored item {first.item_id[:64]!r} ({first.size_bytes:,} bytes, {first.node_count:,} JSON nodes)",
+            first.size_bytes + extra_bytes,
+            first.node_count + extra_nodes,
+            extra_bytes,
+            extra_nodes,
         )
         count = 1
         for row in rows[1:]:
-            nbytes, nodes = row.size_bytes + ITEM_EXTRA_BYTES, row.node_count + ITEM_EXTRA_NODES
+            nbytes, nodes = item_read_size(row)
             if ledger.charged + ledger.model.history_charge(nbytes, nodes) > self.max_retained_bytes:
                 break  # the page bound: the next page starts here
             try:
@@ -211,9 +231,11 @@ class StoreRead:
         if reservation is not None:
             reservation.close()
 
-    def _open(self, what: str, nbytes: int, nodes: int) -> Ledger:
+    def _open(self, what: str, nbytes: int, nodes: int, extra_bytes: int, extra_nodes: int) -> Ledger:
         """Reserve from the pool and charge ``nbytes`` / ``nodes`` at the history price on a new
-        ledger; the refusals of the module docstring."""
+        ledger whose limit is `read_ledger_limit` of the page bound and of ``extra_bytes`` /
+        ``extra_nodes`` (what the read adds to the stored sizes); the refusals of the module
+        docstring."""
         pool = self.reads.pool
         if self.reads.drain.draining:
             raise ShuttingDown("the gateway is shutting down; retry on another instance", refused=True)
@@ -221,7 +243,10 @@ class StoreRead:
         if reason is not None:
             raise self._overloaded(reason, 0)
         self.reservation = pool.admit(0)
-        self.ledger = ledger = Ledger(self.limit, self.reads.model, pool=self.reservation)
+        limit = read_ledger_limit(
+            self.max_retained_bytes, self.reads.model, extra_bytes=extra_bytes, extra_nodes=extra_nodes
+        )
+        self.ledger = ledger = Ledger(limit, self.reads.model, pool=self.reservation)
         try:
             ledger.admit_history_size(nbytes, nodes)
         except BudgetExceeded as exc:
