@@ -48,18 +48,16 @@ def owner_of(request: Request) -> str:
 
 
 class Harness:
-    """The routes in a Starlette app whose lifespan opens an in-memory store; `call` runs a store
+    """The routes in a Starlette app whose lifespan opens the store at ``url`` (in memory by
+    default), its reads admitted by ``store_reads`` (default `reads`); `call` runs a store
     coroutine on the server's event loop (to seed data); `body_bytes` counts request bytes read."""
 
-    def __init__(self, url: str = "memory") -> None:
+    def __init__(self, url: str = "memory", *, store_reads: StoreReads | None = None) -> None:
         self.store: Store = open_store(url)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.body_bytes = 0
-        self.app = RequestIdMiddleware(
-            Starlette(
-                routes=store_routes(lambda: self.store, owner_of, reads=reads()), lifespan=self.lifespan
-            )
-        )
+        routes = store_routes(lambda: self.store, owner_of, reads=store_reads or reads())
+        self.app = RequestIdMiddleware(Starlette(routes=routes, lifespan=self.lifespan))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
