@@ -47,6 +47,7 @@ from middleware.ops.admission import (
 from middleware.ops.redact import register_secret
 from middleware.ops.request_id import RequestIdMiddleware
 from middleware.state import GatewayState
+from middleware.store.reads import StoreReads
 from middleware.store.routes import store_routes
 from middleware.store.store import Store, open_store
 from middleware.tools import McpServerConfig, PoolLimits, ToolCatalog
@@ -289,7 +290,11 @@ def create_app(
     routes: list[Any] = [
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/compact", not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
-        *store_routes(get_store, owner_of),
+        *store_routes(
+            get_store,
+            owner_of,
+            reads=StoreReads(limits=settings.limits, pool=pool, retry_after=settings.retry_after),
+        ),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),

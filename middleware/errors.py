@@ -17,6 +17,7 @@ Failure                          base: ``message``, ``param``, ``code`` (rows th
 ├── BodyTooLarge                 the raw body passes the clamp (413 request_too_large)
 ├── BodyTimeout                  the body did not arrive in time (408 request_timeout)
 ├── HistoryTooLarge              the stored history does not fit the ledger (413 max_retained_bytes_exceeded)
+├── StoredReadTooLarge           a stored response or item does not fit a read's ledger (413 max_retained_bytes_exceeded)
 ├── LoopLimitReached             gateway tools still called after max_infer_iters calls (508)
 ├── Overloaded                   the process pool is full (503 server_overloaded)
 │   └── CallerShareFull          the caller's share of the pool is full (503 server_overloaded)
@@ -130,6 +131,15 @@ class HistoryTooLarge(Failure):
     (budget bytes) are those of the ledger's `budget.BudgetExceeded`."""
 
     row = "budget_initial"
+
+
+class StoredReadTooLarge(Failure):
+    """A stored response, or the first item of a page, does not fit the ledger of the read
+    (``GET /v1/responses/{id}``, ``…/input_items``, ``GET /v1/conversations/{id}/items``;
+    `middleware.store.reads`); nothing of it was fetched or decoded. Facts ``requested``,
+    ``charged``, ``limit`` (budget bytes) are those of the ledger's `budget.BudgetExceeded`."""
+
+    row = "store_read_too_large"
 
 
 class LoopLimitReached(Failure):

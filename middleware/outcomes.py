@@ -108,6 +108,10 @@ OUTCOMES: Final[Mapping[str, Row]] = {
         "ledger overflow on the initial payload or restored history",
         413, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True, after_commit=False,
     ),
+    "store_read_too_large": Row(
+        "a stored response or item larger than a store read's ledger (GET of a response, input_items, conversation items)",
+        413, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True, after_commit=False,
+    ),
     "budget_later": Row(
         "ledger overflow later (upstream output, tool result, persistence)",
         502, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True,

@@ -24,6 +24,11 @@ EXAMPLES: dict[str, tuple[BaseException, int, str]] = {
     "request_too_large": (errors.BodyTooLarge("too big", size=9, clamp=8), 413, "request_too_large"),
     "request_timeout": (errors.BodyTimeout("slow", seconds=30), 408, "request_timeout"),
     "budget_initial": (BudgetExceeded("input", 10, 0, 5), 413, "max_retained_bytes_exceeded"),
+    "store_read_too_large": (
+        errors.StoredReadTooLarge("too big to read", requested=10, charged=0, limit=5),
+        413,
+        "max_retained_bytes_exceeded",
+    ),
     "budget_later": (BudgetExceeded("tool_result", 10, 0, 5), 502, "max_retained_bytes_exceeded"),
     "upstream_body_too_large": (
         up.UpstreamBodyTooLarge("big", size=9, clamp=8),

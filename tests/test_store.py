@@ -395,6 +395,92 @@ def test_list_input_items_pages_like_openai(store_url: str) -> None:
     run_with_store(store_url, body)
 
 
+def test_page_sizes_select_no_item_and_load_page_decodes_only_the_admitted_rows(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads are admitted from the sizes measured at write time (issue 15): the size query reads
+    ids and sizes of at most limit + 1 rows, never the item column, and decodes nothing; then
+    `load_page` decodes the first ``count`` rows only, the page continuing at its last id."""
+
+    async def body(store: Store) -> None:
+        items = [user(f"m{k}" + "é" * k) for k in range(6)]  # sizes are UTF-8 bytes
+        await store.save_response(response("resp_1"), input_items=items, output_items=[], replay_items=[])
+        conv = await store.create_conversation("alice", items=items[:3], metadata=None)
+        statements: list[str] = []
+        decoded: list[object] = []
+        real = store_module._loads
+        monkeypatch.setattr(store_module, "_loads", lambda text: decoded.append(text) or real(text))
+        store.backend.on_statement = statements.append
+        sizes_page = await store.input_item_sizes("resp_1", "alice", limit=4, order="asc")
+        conv_sizes = await store.conversation_item_sizes(conv["id"], "alice", limit=100)
+        store.backend.on_statement = None
+        assert decoded == [] and statements
+        assert not [sql for sql in statements if re.search(r"\bitem\b", sql)], "the item column was read"
+        assert sizes_page is not None and conv_sizes is not None
+        expected = [sizes([item]) for item in items]
+        assert [(r.size_bytes, r.node_count) for r in sizes_page.rows] == expected[:5]  # limit + 1 rows
+        assert [(r.seq, r.size_bytes) for r in conv_sizes.rows] == [
+            (2, expected[2][0]),
+            (1, expected[1][0]),
+            (0, expected[0][0]),
+        ]
+
+        page = await store.load_page(sizes_page, 2)
+        assert [d["content"][0]["text"] for d in page.data] == ["m0", "m1é"]
+        assert len(decoded) == 2, "only the two admitted rows were decoded"
+        assert (page.first_id, page.last_id, page.has_more) == (
+            sizes_page.rows[0].item_id,
+            sizes_page.rows[1].item_id,
+            True,
+        )
+        assert page == await store.list_input_items("resp_1", "alice", limit=2, order="asc")
+        rest = await store.input_item_sizes("resp_1", "alice", after=page.last_id, limit=100, order="asc")
+        assert rest is not None and len(rest.rows) == 4
+        assert [r.item_id for r in rest.rows[:3]] == [r.item_id for r in sizes_page.rows[2:]]
+        whole = await store.load_page(rest, len(rest.rows))
+        assert [d["content"][0]["text"] for d in whole.data] == [f"m{k}" + "é" * k for k in range(2, 6)]
+        assert not whole.has_more
+        with pytest.raises(ValueError, match="count"):
+            await store.load_page(rest, len(rest.rows) + 1)
+        empty = await store.load_page(rest, 0)
+        assert (empty.data, empty.first_id, empty.has_more) == ([], None, True)
+
+        # Gone in between (its response deleted): the page leaves its rows out.
+        assert await store.delete_response("resp_1", "alice")
+        gone = await store.load_page(sizes_page, 4)
+        assert (gone.data, gone.first_id, gone.last_id, gone.has_more) == ([], None, None, True)
+        assert await store.input_item_sizes("resp_1", "alice") is None
+        assert await store.input_item_sizes("resp_x", "alice") is None
+        assert await store.conversation_item_sizes(conv["id"], "mallory") is None
+        with pytest.raises(UnknownCursor):
+            await store.conversation_item_sizes(conv["id"], "alice", after="msg_unknown")
+
+    run_with_store(store_url, body)
+
+
+def test_response_size_is_measured_at_write_and_its_text_is_served_undecoded(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body(store: Store) -> None:
+        saved = response("resp_1")
+        saved.response["output"] = [{"type": "message", "role": "assistant", "content": "ünï ✓ 字 😀"}]
+        await store.save_response(saved, input_items=[], output_items=[], replay_items=[])
+        text = encode_json(saved.response).encode("utf-8")
+        decoded: list[object] = []
+        monkeypatch.setattr(store_module, "_loads", lambda value: decoded.append(value))
+        assert await store.response_size("resp_1", "alice") == len(text)
+        assert await store.response_json("resp_1", "alice") == text
+        assert decoded == []
+        assert await store.response_size("resp_1", "mallory") is None
+        assert await store.response_json("resp_1", "mallory") is None
+        assert await store.response_size("resp_nope", "alice") is None
+        # A row written before schema version 2 has no size: 4 bytes per character bound it.
+        await store.backend.run(single("UPDATE responses SET size_bytes = NULL"), write=True)
+        assert await store.response_size("resp_1", "alice") == 4 * len(text.decode("utf-8"))
+
+    run_with_store(store_url, body)
+
+
 # --- conversations -----------------------------------------------------------------------------
 
 
@@ -526,8 +612,8 @@ def test_two_stores_on_one_database_share_a_conversation(
         first, second = open_store(url), open_store(url)
         await asyncio.gather(first.open(), second.open())  # concurrent migrations
         try:
-            assert await first.schema_version() == await second.schema_version() == 1
-            assert await raw_rows(first, "SELECT COUNT(*) FROM schema_migrations") == [(1,)]
+            assert await first.schema_version() == await second.schema_version() == 2
+            assert await raw_rows(first, "SELECT COUNT(*) FROM schema_migrations") == [(2,)]
             cid = (await first.create_conversation("alice", items=[], metadata=None))["id"]
             await asyncio.gather(
                 *(
@@ -552,16 +638,19 @@ def test_two_stores_on_one_database_share_a_conversation(
 def test_migrations_are_idempotent(store_url: str) -> None:
     async def main() -> None:
         async with open_store(store_url) as store:
-            assert await store.schema_version() == 1
+            assert await store.schema_version() == 2
             assert await store._migrate() == []  # nothing left to apply
-            assert await raw_rows(store, "SELECT version FROM schema_migrations") == [(1,)]
+            assert await raw_rows(store, "SELECT version FROM schema_migrations ORDER BY version") == [
+                (1,),
+                (2,),
+            ]
             await store.save_response(
                 response("resp_1"), input_items=[user("x")], output_items=[], replay_items=[]
             )
             if store_url == "memory":
                 return
         async with open_store(store_url) as store:  # a restart keeps the data, applies nothing
-            assert await raw_rows(store, "SELECT version FROM schema_migrations") == [(1,)]
+            assert await raw_rows(store, "SELECT COUNT(*) FROM schema_migrations") == [(2,)]
             assert await store.load_chain("resp_1", "alice") == [user("x")]
             await store.backend.run(
                 single("INSERT INTO schema_migrations (version, name, applied_at) VALUES (99, 'future', 0)"),

@@ -25,8 +25,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
+from budget import Limits
 from middleware.errors import Unauthenticated
+from middleware.ops.admission import ProcessPool
 from middleware.ops.request_id import RequestIdMiddleware
+from middleware.store.reads import StoreReads
 from middleware.store.routes import MAX_BODY_BYTES, store_routes
 from middleware.store.store import Store, StoredResponse, open_store
 from tests.servers import raw_http, response_json, serve_asgi
@@ -34,21 +37,27 @@ from tests.servers import raw_http, response_json, serve_asgi
 T = TypeVar("T")
 
 
+def reads() -> StoreReads:
+    """Store reads admitted at the default limits from a pool too large to refuse them (the
+    admission itself is tests/test_store_reads.py's)."""
+    return StoreReads(limits=Limits(), pool=ProcessPool(1 << 40))
+
+
 def owner_of(request: Request) -> str:
     return request.headers.get("authorization", "").removeprefix("Bearer ")
 
 
 class Harness:
-    """The routes in a Starlette app whose lifespan opens an in-memory store; `call` runs a store
+    """The routes in a Starlette app whose lifespan opens the store at ``url`` (in memory by
+    default), its reads admitted by ``store_reads`` (default `reads`); `call` runs a store
     coroutine on the server's event loop (to seed data); `body_bytes` counts request bytes read."""
 
-    def __init__(self, url: str = "memory") -> None:
+    def __init__(self, url: str = "memory", *, store_reads: StoreReads | None = None) -> None:
         self.store: Store = open_store(url)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.body_bytes = 0
-        self.app = RequestIdMiddleware(
-            Starlette(routes=store_routes(lambda: self.store, owner_of), lifespan=self.lifespan)
-        )
+        routes = store_routes(lambda: self.store, owner_of, reads=store_reads or reads())
+        self.app = RequestIdMiddleware(Starlette(routes=routes, lifespan=self.lifespan))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -423,7 +432,7 @@ def test_a_body_at_the_limit_is_accepted(server: tuple[str, Harness]) -> None:
 
 def test_database_failure_is_503_not_500() -> None:
     never_opened = open_store("memory")
-    app = RequestIdMiddleware(Starlette(routes=store_routes(lambda: never_opened, owner_of)))
+    app = RequestIdMiddleware(Starlette(routes=store_routes(lambda: never_opened, owner_of, reads=reads())))
     with serve_asgi(app) as url:
         resp = http(url, "GET", "/v1/responses/resp_1")
     assert_envelope(resp, 503, "store_unavailable")
@@ -484,12 +493,14 @@ def test_413_names_the_request_id_and_closes(server: tuple[str, Harness]) -> Non
 
 
 class _BrokenStore:
-    async def get_response(self, response_id: str, owner: str) -> None:
+    async def response_size(self, response_id: str, owner: str) -> None:
         raise RuntimeError("a bug with a secret detail")
 
 
 def test_an_unexpected_exception_is_500_internal_error_without_details() -> None:
-    app = RequestIdMiddleware(Starlette(routes=store_routes(lambda: cast(Store, _BrokenStore()), owner_of)))
+    app = RequestIdMiddleware(
+        Starlette(routes=store_routes(lambda: cast(Store, _BrokenStore()), owner_of, reads=reads()))
+    )
     with serve_asgi(app) as url:
         resp = http(url, "GET", "/v1/responses/resp_1")
     assert_envelope(resp, 500, "internal_error")
@@ -501,7 +512,7 @@ def test_what_owner_of_raises_is_answered_by_the_table() -> None:
         raise Unauthenticated("no API key was presented; send Authorization: Bearer <key>")
 
     store = open_store("memory")
-    app = RequestIdMiddleware(Starlette(routes=store_routes(lambda: store, refuse)))
+    app = RequestIdMiddleware(Starlette(routes=store_routes(lambda: store, refuse, reads=reads())))
     with serve_asgi(app) as url:
         resp = http(url, "GET", "/v1/conversations/conv_1")
     assert_envelope(resp, 401, "invalid_api_key")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterable
 
 from starlette.types import Receive, Scope
 
@@ -192,28 +193,8 @@ class Intake:
 
     def effective_limits(self) -> Limits:
         """The server's limits, lowered by the request's ``loopwarden-max-*`` headers."""
-        lowered: dict[str, int] = {}
-        base = self.config.limits
-        for name, value in self.scope.get("headers", []):
-            field = LIMIT_HEADERS.get(name.lower())
-            if field is None:
-                continue
-            header = name.decode("latin-1").lower()
-            try:
-                number = int(value)
-                Limits(**{**_fields(base), field: number})
-            except ValueError:
-                low, high = (4096, 268435456) if field == "max_retained_bytes" else (1, 100)
-                raise InvalidHeader(
-                    f"header {header} must be an integer in {low}..={high}, got {value.decode('latin-1')!r}",
-                    param=header,
-                ) from None
-            lowered[field] = number
-            if number < getattr(base, field):
-                self.lowered.add(field)
-        if not lowered:
-            return base
-        return Limits.smallest(base, Limits(**{**_fields(base), **lowered}))
+        limits, self.lowered = effective_limits(self.config.limits, self.scope.get("headers", []))
+        return limits
 
     def _content_length(self) -> int | None:
         for name, value in self.scope.get("headers", []):
@@ -333,6 +314,35 @@ class Intake:
                 parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
+
+
+def effective_limits(base: Limits, headers: Iterable[tuple[bytes, bytes]]) -> tuple[Limits, set[str]]:
+    """``base`` lowered by the ``loopwarden-max-*`` headers among ``headers`` (ASGI header pairs),
+    and the names of the fields a header lowered. The smallest value wins; a header never
+    raises a limit. Raises `InvalidHeader` (``param`` the header) for a value that is not an
+    integer in its limit's range."""
+    lowered: dict[str, int] = {}
+    lowered_fields: set[str] = set()
+    for name, value in headers:
+        field = LIMIT_HEADERS.get(name.lower())
+        if field is None:
+            continue
+        header = name.decode("latin-1").lower()
+        try:
+            number = int(value)
+            Limits(**{**_fields(base), field: number})
+        except ValueError:
+            low, high = (4096, 268435456) if field == "max_retained_bytes" else (1, 100)
+            raise InvalidHeader(
+                f"header {header} must be an integer in {low}..={high}, got {value.decode('latin-1')!r}",
+                param=header,
+            ) from None
+        lowered[field] = number
+        if number < getattr(base, field):
+            lowered_fields.add(field)
+    if not lowered:
+        return base, lowered_fields
+    return Limits.smallest(base, Limits(**{**_fields(base), **lowered})), lowered_fields
 
 
 def _fields(limits: Limits) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """HTTP routes over the `Store`: stored responses and conversations, shaped as OpenAI's API.
 
-``store_routes(get_store, owner_of)`` returns Starlette routes for
+``store_routes(get_store, owner_of, reads=...)`` returns Starlette routes for
 
 ==========================================  ==================================================
 ``GET    /v1/responses/{id}``               the stored response object
@@ -17,6 +17,13 @@ Cursor lists take ``after`` (an item id), ``limit`` (1..=100, default 20) and ``
 (``asc``/``desc``, default ``desc``) and answer ``{"object": "list", "data", "first_id",
 "last_id", "has_more"}`` (``first_id``/``last_id`` null when empty), as the official SDKs page them.
 
+Reads are admitted (`middleware.store.reads`, issue 15): the three ``GET`` routes that return
+stored items or a stored response reserve from the worker's admission pool and charge a
+per-request ledger from the sizes measured at write time before a row is fetched or decoded;
+cursor pages are bounded by bytes as well as by count (``has_more`` when a page stops at the byte
+bound; a page always holds at least one item). ``GET /v1/conversations/{id}`` (metadata of at most
+16 short pairs) and the ``DELETE`` routes read nothing unbounded and are not admitted.
+
 Ownership: ``owner_of(request)`` names the caller (a hash of its API key; authentication is done
 before these routes run); another owner's objects answer 404 exactly like unknown ids.
 
@@ -28,6 +35,9 @@ envelope), the one renderer:
   ``unknown_parameter`` / ``empty_array`` / ``array_above_max_length`` / the JSON codes of
   `budget.loads_strict`, with ``param`` naming the field (``after`` for an unknown cursor);
 * `NotFound` — 404 ``not_found`` (unknown, or another owner's);
+* a read's refusals (`middleware.store.reads`): `Overloaded` — 503 ``server_overloaded`` with
+  ``Retry-After``; `ProcessBudgetExceeded` — 413; `StoredReadTooLarge` — 413
+  ``max_retained_bytes_exceeded``; `ShuttingDown` — 503; `InvalidHeader` — 400 ``invalid_header``;
 * `BodyTooLarge` — 413 ``request_too_large`` with ``Connection: close``, for POST bodies over
   ``max_body_bytes`` (1 MiB): refused from ``Content-Length`` without reading, or as soon as the
   streamed body passes the limit;
@@ -50,7 +60,8 @@ from starlette.routing import Route
 from budget import JsonRejected, loads_strict
 from middleware import outcomes
 from middleware.errors import BodyTooLarge, InvalidRequest, NotFound
-from middleware.store.store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, UnknownCursor
+from middleware.store.reads import StoreRead, StoreReads
+from middleware.store.store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, UnknownCursor, encode_json
 
 __all__ = ["MAX_BODY_BYTES", "MAX_ITEMS_PER_CALL", "store_routes"]
 
@@ -62,11 +73,12 @@ MAX_ITEMS_PER_CALL = 20
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-def _answer(exc: BaseException, owner: str) -> Response:
-    """`exc` as the outcome table answers it (DESIGN.md §5): counted and logged, then rendered."""
+def _answer(exc: BaseException, owner: str, retry_after: float) -> Response:
+    """`exc` as the outcome table answers it (DESIGN.md §5): counted and logged, then rendered
+    (``retry_after``: seconds, on the rows that send ``Retry-After``)."""
     outcome = outcomes.resolve(exc)
     outcomes.record(outcome, owner=owner)
-    status, headers, body = outcomes.render_json(outcome)
+    status, headers, body = outcomes.render_json(outcome, retry_after=retry_after)
     return Response(
         body,
         status_code=status,
@@ -137,6 +149,11 @@ async def _read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     return value
 
 
+def _page_body(page: Page) -> bytes:
+    """A page as its JSON answer: compact UTF-8, as Starlette's `JSONResponse` renders it."""
+    return encode_json(page.to_json()).encode("utf-8")
+
+
 def _check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
     for key in body:
         if key not in allowed:
@@ -195,13 +212,16 @@ def store_routes(
     get_store: Callable[[], Store],
     owner_of: Callable[[Request], str],
     *,
+    reads: StoreReads,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> list[Route]:
     """The routes of the module docstring. ``get_store()`` is called per request (so the store
     may be opened in the application's lifespan); ``owner_of(request)`` names the caller (what it
-    raises, e.g. a 401, is answered like the routes' own failures)."""
+    raises, e.g. a 401, is answered like the routes' own failures); ``reads`` admits the reads
+    (the gateway's admission pool and limits)."""
 
     Handler = Callable[[Request, Store, str], Awaitable[Response]]
+    ReadHandler = Callable[[Request, Store, str, StoreRead], Awaitable[bytes]]
 
     def endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
@@ -213,20 +233,39 @@ def store_routes(
             except ClientDisconnect:
                 raise  # the client is gone: there is no one to answer
             except UnknownCursor as exc:
-                return _answer(InvalidRequest(str(exc), code="invalid_value", param="after"), owner)
+                invalid = InvalidRequest(str(exc), code="invalid_value", param="after")
+                return _answer(invalid, owner, reads.retry_after)
             except Exception as exc:
-                return _answer(exc, owner)
+                return _answer(exc, owner, reads.retry_after)
 
         return run
 
-    async def get_response(request: Request, store: Store, owner: str) -> Response:
+    def reading(handler: ReadHandler) -> Handler:
+        """An admitted read: ``handler`` answers the JSON body; the read stays admitted until
+        that body is sent, and is closed at once when the handler fails."""
+
+        async def run(request: Request, store: Store, owner: str) -> Response:
+            read = reads.start(request.scope["headers"])
+            try:
+                return read.respond(await handler(request, store, owner, read))
+            except BaseException:
+                read.close()
+                raise
+
+        return run
+
+    async def get_response(request: Request, store: Store, owner: str, read: StoreRead) -> bytes:
         response_id = request.path_params["response_id"]
         if request.query_params.get("stream", "false").lower() == "true":
             _bad("Streaming a stored response is not supported; retrieve it without 'stream'.", "stream")
-        stored = await store.get_response(response_id, owner)
-        if stored is None:
+        size = await store.response_size(response_id, owner)
+        if size is None:
             _not_found("Response", response_id)
-        return JSONResponse(stored.response)
+        read.admit_response(response_id, size)
+        body = await store.response_json(response_id, owner)  # as stored: never decoded
+        if body is None:  # deleted meanwhile
+            _not_found("Response", response_id)
+        return body
 
     async def delete_response(request: Request, store: Store, owner: str) -> Response:
         response_id = request.path_params["response_id"]
@@ -234,13 +273,13 @@ def store_routes(
             _not_found("Response", response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-    async def list_input_items(request: Request, store: Store, owner: str) -> Response:
+    async def list_input_items(request: Request, store: Store, owner: str, read: StoreRead) -> bytes:
         response_id = request.path_params["response_id"]
         after, limit, order = _page_args(request)
-        page = await store.list_input_items(response_id, owner, after=after, limit=limit, order=order)
-        if page is None:
+        sizes = await store.input_item_sizes(response_id, owner, after=after, limit=limit, order=order)
+        if sizes is None:
             _not_found("Response", response_id)
-        return JSONResponse(page.to_json())
+        return _page_body(await store.load_page(sizes, read.admit_page(sizes)))
 
     async def create_conversation(request: Request, store: Store, owner: str) -> Response:
         body = await _read_json_object(request, max_body_bytes)
@@ -262,15 +301,15 @@ def store_routes(
             _not_found("Conversation", conversation_id)
         return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
-    async def list_conversation_items(request: Request, store: Store, owner: str) -> Response:
+    async def list_conversation_items(request: Request, store: Store, owner: str, read: StoreRead) -> bytes:
         conversation_id = request.path_params["conversation_id"]
         after, limit, order = _page_args(request)
-        page = await store.list_conversation_items(
+        sizes = await store.conversation_item_sizes(
             conversation_id, owner, after=after, limit=limit, order=order
         )
-        if page is None:
+        if sizes is None:
             _not_found("Conversation", conversation_id)
-        return JSONResponse(page.to_json())
+        return _page_body(await store.load_page(sizes, read.admit_page(sizes)))
 
     async def add_conversation_items(request: Request, store: Store, owner: str) -> Response:
         conversation_id = request.path_params["conversation_id"]
@@ -284,14 +323,18 @@ def store_routes(
         return JSONResponse(page.to_json())
 
     return [
-        Route("/v1/responses/{response_id}", endpoint(get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", endpoint(reading(get_response)), methods=["GET"]),
         Route("/v1/responses/{response_id}", endpoint(delete_response), methods=["DELETE"]),
-        Route("/v1/responses/{response_id}/input_items", endpoint(list_input_items), methods=["GET"]),
+        Route(
+            "/v1/responses/{response_id}/input_items", endpoint(reading(list_input_items)), methods=["GET"]
+        ),
         Route("/v1/conversations", endpoint(create_conversation), methods=["POST"]),
         Route("/v1/conversations/{conversation_id}", endpoint(get_conversation), methods=["GET"]),
         Route("/v1/conversations/{conversation_id}", endpoint(delete_conversation), methods=["DELETE"]),
         Route(
-            "/v1/conversations/{conversation_id}/items", endpoint(list_conversation_items), methods=["GET"]
+            "/v1/conversations/{conversation_id}/items",
+            endpoint(reading(list_conversation_items)),
+            methods=["GET"],
         ),
         Route(
             "/v1/conversations/{conversation_id}/items", endpoint(add_conversation_items), methods=["POST"]

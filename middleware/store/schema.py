@@ -1,6 +1,6 @@
 """The store's schema, as versioned migrations that run unchanged on SQLite and PostgreSQL.
 
-Tables (schema version 1):
+Tables (schema version 1; version 2 below):
 
 ``schema_migrations``
     ``version`` INTEGER PK, ``name``, ``applied_at`` (epoch s). One row per applied migration.
@@ -35,6 +35,10 @@ Tables (schema version 1):
 Only portable SQL: TEXT, INTEGER, BIGINT, CHECK, composite primary keys, ON DELETE CASCADE (SQLite
 needs ``PRAGMA foreign_keys = ON``, which the backend sets). JSON is TEXT on both, never JSONB,
 so the bytes stored are the bytes measured and decoded.
+
+Schema version 2 adds ``responses.size_bytes`` (BIGINT): the length in bytes of the stored
+``response`` text, measured when it is written, so a read is admitted before the text is fetched
+(`Store.response_size`). Rows written before version 2 hold NULL there.
 
 A new migration is appended with the next version; released migrations never change.
 """
@@ -121,5 +125,10 @@ _V1 = (
     "CREATE INDEX conversation_items_item_id ON conversation_items (conversation_id, item_id)",
 )
 
+_V2 = ("ALTER TABLE responses ADD COLUMN size_bytes BIGINT",)
+
 #: Every migration, oldest first. Applied in order at ``await store.open()``.
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "initial: responses, items, conversations", _V1),)
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "initial: responses, items, conversations", _V1),
+    Migration(2, "responses.size_bytes: the stored response's size, for admitting reads", _V2),
+)

@@ -28,9 +28,16 @@ gateway ``mcp_call``s as their ``function_call`` / ``function_call_output`` pair
 (`Store.chain_size`) so the ledger can admit it (``Ledger.admit_history_size``) before a single
 row is decoded.
 
+Reads are admitted the same way (`middleware.store.reads`): a page's sizes come first
+(`Store.input_item_sizes`, `Store.conversation_item_sizes`: ids and stored sizes of at most
+``limit + 1`` rows, the item column never selected), then `Store.load_page` fetches and decodes
+only the rows the caller admitted; a stored response's size (`Store.response_size`) comes before
+its text (`Store.response_json`, served as stored, never decoded).
+
 Sizes: ``size_bytes`` is the length in bytes of the item's compact UTF-8 JSON
 (``separators=(",", ":")``, non-ASCII kept as UTF-8); ``node_count`` is
-``budget.count_json_nodes`` of those bytes.
+``budget.count_json_nodes`` of those bytes. A response row's ``size_bytes`` is the length in bytes
+of its stored ``response`` text (schema version 2; NULL on rows written before it).
 
 Ids the store mints (``conv_...``, and items stored without an ``id``) come from
 `middleware.ids.new_id`, the gateway's one id format.
@@ -83,8 +90,10 @@ __all__ = [
     "ChainInfo",
     "ConversationNotFound",
     "DuplicateId",
+    "ItemSize",
     "Order",
     "Page",
+    "PageSizes",
     "SchemaTooNew",
     "Store",
     "StoreError",
@@ -195,6 +204,42 @@ class Page:
             "last_id": self.last_id,
             "has_more": self.has_more,
         }
+
+
+@dataclass(frozen=True)
+class ItemSize:
+    """One row of a list, as measured when it was written: ``seq`` (its position in the list's
+    table), ``item_id``, ``size_bytes`` (bytes of its stored compact UTF-8 JSON) and
+    ``node_count`` (`budget.count_json_nodes` of those bytes)."""
+
+    seq: int
+    item_id: str
+    size_bytes: int
+    node_count: int
+
+
+@dataclass(frozen=True)
+class _PageSource:
+    """Where a list's rows live: ``table``'s rows whose ``key_column`` is ``key``, in ``roles``."""
+
+    table: str
+    key_column: str
+    key: str
+    roles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PageSizes:
+    """The sizes of one page of a list, read without selecting a single item (nothing decoded).
+
+    ``rows``: at most ``limit + 1`` `ItemSize` rows after the cursor, in page order (the extra
+    one tells whether more remain). Admit a prefix of them, then pass its length to
+    `Store.load_page`. Only the store builds it, from an owner-checked query.
+    """
+
+    rows: tuple[ItemSize, ...]
+    limit: int
+    source: _PageSource = field(repr=False)
 
 
 # --- item helpers ------------------------------------------------------------------------------
@@ -338,14 +383,19 @@ WHERE c.id = ? AND c.owner = ?
 GROUP BY c.next_seq
 """
 
+# Rows written before schema version 2 have no size_bytes: 4 bytes per character bounds their
+# UTF-8 length from above (COALESCE evaluates LENGTH only for them, on both databases).
+_RESPONSE_SIZE = "SELECT COALESCE(size_bytes, 4 * LENGTH(response)) FROM responses WHERE id = ? AND owner = ?"
+_RESPONSE_TEXT = "SELECT response FROM responses WHERE id = ? AND owner = ?"
+
 _GET_RESPONSE = (
     "SELECT id, owner, created_at, status, model, previous_response_id, conversation_id, response, request"
     " FROM responses WHERE id = ? AND owner = ?"
 )
 _INSERT_RESPONSE = """
 INSERT INTO responses (id, owner, created_at, status, model, previous_response_id, conversation_id,
-                       error, request, usage, response)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                       error, request, usage, response, size_bytes)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
 _INSERT_ITEM = """
 INSERT INTO items (response_id, role, seq, item_id, type, item, size_bytes, node_count)
@@ -479,6 +529,7 @@ class Store:
             ("output", prepare(output_items)),
             ("replay", prepare(replay_items)),
         )
+        response_text = encode_json(response)
         row = (
             resp.id,
             resp.owner,
@@ -490,7 +541,8 @@ class Store:
             None if error is None else encode_json(error),
             encode_json(request),
             None if usage is None else encode_json(usage),
-            encode_json(response),
+            response_text,
+            len(response_text.encode("utf-8")),
         )
         item_rows = [
             (resp.id, role, seq, p.item_id, p.type, p.text, p.size_bytes, p.node_count)
@@ -533,6 +585,20 @@ class Store:
             response=_decode_object(r[7]),
             request=_decode_object(r[8]),
         )
+
+    async def response_size(self, response_id: str, owner: str) -> int | None:
+        """Bytes of the stored response object's JSON text (what `response_json` returns), read
+        without fetching the text; None when unknown or another owner's. Rows written before
+        schema version 2 answer 4 bytes per character, an upper bound."""
+        rows = await self._read(_RESPONSE_SIZE, (response_id, owner))
+        return int(rows[0][0]) if rows else None
+
+    async def response_json(self, response_id: str, owner: str) -> bytes | None:
+        """The stored response object as stored: its compact UTF-8 JSON, never decoded (the
+        same bytes the JSON of `get_response`'s ``response`` encodes to); None when unknown or
+        another owner's. Call `response_size` and admit it first."""
+        rows = await self._read(_RESPONSE_TEXT, (response_id, owner))
+        return str(rows[0][0]).encode("utf-8") if rows else None
 
     async def delete_response(self, response_id: str, owner: str) -> bool:
         """Delete a response and its items; False when unknown or another owner's. Responses
@@ -586,9 +652,63 @@ class Store:
         def work() -> Work[Page | None]:
             if not (yield Fetch("SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner))):
                 return None
-            return (yield from _page("items", "response_id", response_id, ("input",), after, limit, order))
+            return (yield from _page(_input_items(response_id), after, limit, order))
 
         return await self.backend.run(work(), write=False)
+
+    async def input_item_sizes(
+        self,
+        response_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> PageSizes | None:
+        """The sizes of the `list_input_items` page with these arguments, no item selected or
+        decoded; None when unknown or another owner's. Raises as `list_input_items`."""
+        _check_page_args(limit, order)
+
+        def work() -> Work[PageSizes | None]:
+            if not (yield Fetch("SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner))):
+                return None
+            return (yield from _page_sizes(_input_items(response_id), after, limit, order))
+
+        return await self.backend.run(work(), write=False)
+
+    async def load_page(self, sizes: PageSizes, count: int) -> Page:
+        """The page whose first ``count`` rows of ``sizes`` the caller admitted: those items
+        fetched, decoded and shown as `present_item` shows them, in page order; ``has_more``
+        when ``sizes`` holds more rows than ``count``. A row deleted since ``sizes`` was read
+        (its conversation or response deleted) is left out; stored items never change. Raises
+        `ValueError` for ``count`` outside ``0..=min(len(sizes.rows), sizes.limit)``."""
+        if not 0 <= count <= min(len(sizes.rows), sizes.limit):
+            raise ValueError(f"count must be in 0..={min(len(sizes.rows), sizes.limit)}, got {count}")
+        chosen = sizes.rows[:count]
+        source = sizes.source
+
+        def work() -> Work[list[JsonObject]]:
+            if not chosen:
+                return []
+            rows = yield Fetch(
+                f"SELECT seq, item FROM {source.table} WHERE {_source_where(source)}"
+                f" AND seq IN ({', '.join('?' * len(chosen))})",
+                [source.key, *source.roles, *(row.seq for row in chosen)],
+            )
+            texts = {int(row[0]): row[1] for row in rows}
+            return [
+                present_item(_decode_object(texts[row.seq]), row.item_id)
+                for row in chosen
+                if row.seq in texts
+            ]
+
+        data = await self.backend.run(work(), write=False)
+        return Page(
+            data=data,
+            first_id=data[0]["id"] if data else None,
+            last_id=data[-1]["id"] if data else None,
+            has_more=len(sizes.rows) > count,
+        )
 
     # --- conversations -------------------------------------------------------------------------
 
@@ -665,17 +785,32 @@ class Store:
                 )
             ):
                 return None
-            return (
-                yield from _page(
-                    "conversation_items",
-                    "conversation_id",
-                    conversation_id,
-                    ("input", "output"),
-                    after,
-                    limit,
-                    order,
+            return (yield from _page(_conversation_items(conversation_id), after, limit, order))
+
+        return await self.backend.run(work(), write=False)
+
+    async def conversation_item_sizes(
+        self,
+        conversation_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> PageSizes | None:
+        """The sizes of the `list_conversation_items` page with these arguments, no item
+        selected or decoded; None when unknown or another owner's. Raises as
+        `list_input_items`."""
+        _check_page_args(limit, order)
+
+        def work() -> Work[PageSizes | None]:
+            if not (
+                yield Fetch(
+                    "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
                 )
-            )
+            ):
+                return None
+            return (yield from _page_sizes(_conversation_items(conversation_id), after, limit, order))
 
         return await self.backend.run(work(), write=False)
 
@@ -774,29 +909,44 @@ def _insert_conversation_items(
     )
 
 
-def _page(
-    table: str,
-    key_column: str,
-    key: str,
-    roles: tuple[str, ...],
-    after: str | None,
-    limit: int,
-    order: Order,
-) -> Work[Page]:
-    """One page of ``table``'s items of ``key`` in the given roles, ordered by seq."""
-    where = f"{key_column} = ? AND role IN ({', '.join('?' * len(roles))})"
-    params: list[object] = [key, *roles]
+def _input_items(response_id: str) -> _PageSource:
+    """A response's input items (``GET /v1/responses/{id}/input_items``)."""
+    return _PageSource("items", "response_id", response_id, ("input",))
+
+
+def _conversation_items(conversation_id: str) -> _PageSource:
+    """A conversation's visible items (``GET /v1/conversations/{id}/items``)."""
+    return _PageSource("conversation_items", "conversation_id", conversation_id, ("input", "output"))
+
+
+def _source_where(source: _PageSource) -> str:
+    """The condition selecting ``source``'s rows; its parameters are ``key, *roles``."""
+    return f"{source.key_column} = ? AND role IN ({', '.join('?' * len(source.roles))})"
+
+
+def _page_where(source: _PageSource, after: str | None, order: Order) -> Work[tuple[str, list[object]]]:
+    """The condition and parameters selecting ``source``'s rows after the cursor ``after``;
+    `UnknownCursor` when it names no row of the list."""
+    where = _source_where(source)
+    params: list[object] = [source.key, *source.roles]
     if after is not None:
         found = yield Fetch(
-            f"SELECT seq FROM {table} WHERE {where} AND item_id = ? ORDER BY seq LIMIT 1", [*params, after]
+            f"SELECT seq FROM {source.table} WHERE {where} AND item_id = ? ORDER BY seq LIMIT 1",
+            [*params, after],
         )
         if not found:
             raise UnknownCursor(after)
         where += " AND seq > ?" if order == "asc" else " AND seq < ?"
         params.append(found[0][0])
+    return where, params
+
+
+def _page(source: _PageSource, after: str | None, limit: int, order: Order) -> Work[Page]:
+    """One page of ``source``'s items, ordered by seq."""
+    where, params = yield from _page_where(source, after, order)
     direction = "ASC" if order == "asc" else "DESC"
     rows = yield Fetch(
-        f"SELECT item_id, item FROM {table} WHERE {where} ORDER BY seq {direction} LIMIT ?",
+        f"SELECT item_id, item FROM {source.table} WHERE {where} ORDER BY seq {direction} LIMIT ?",
         [*params, limit + 1],
     )
     data = [present_item(_decode_object(row[1]), row[0]) for row in rows[:limit]]
@@ -806,6 +956,20 @@ def _page(
         last_id=data[-1]["id"] if data else None,
         has_more=len(rows) > limit,
     )
+
+
+def _page_sizes(source: _PageSource, after: str | None, limit: int, order: Order) -> Work[PageSizes]:
+    """The `ItemSize` rows of the `_page` with these arguments (``limit + 1`` at most); never
+    selects the item column."""
+    where, params = yield from _page_where(source, after, order)
+    direction = "ASC" if order == "asc" else "DESC"
+    rows = yield Fetch(
+        f"SELECT seq, item_id, size_bytes, node_count FROM {source.table} WHERE {where}"
+        f" ORDER BY seq {direction} LIMIT ?",
+        [*params, limit + 1],
+    )
+    sized = tuple(ItemSize(int(r[0]), str(r[1]), int(r[2]), int(r[3])) for r in rows)
+    return PageSizes(rows=sized, limit=limit, source=source)
 
 
 # --- construction ------------------------------------------------------------------------------
