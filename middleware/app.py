@@ -293,7 +293,13 @@ def create_app(
         *store_routes(
             get_store,
             owner_of,
-            reads=StoreReads(limits=settings.limits, pool=pool, retry_after=settings.retry_after),
+            reads=StoreReads(
+                limits=settings.limits,
+                pool=pool,
+                retry_after=settings.retry_after,
+                model=ChargeModel.named(settings.charge_model),
+                caller_of=authenticator.caller,
+            ),
         ),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -152,12 +152,15 @@ class StoreReads:
     drain: DrainState = DRAIN
     retry_after: float = 1.0
     model: ChargeModel = _LEDGER_MODEL
+    caller_of: Callable[[Scope, str], str] | None = None
 
-    def start(self, headers: Iterable[tuple[bytes, bytes]]) -> StoreRead:
-        """A `StoreRead` for a request with these ASGI ``headers``; `InvalidHeader` for a bad
-        ``loopwarden-max-*`` header."""
-        limits, _ = effective_limits(self.limits, headers)
-        return StoreRead(self, limits.max_retained_bytes)
+    def start(self, scope: Scope, owner: str = "") -> StoreRead:
+        """A `StoreRead` for the request ``scope`` of ``owner``; `InvalidHeader` for a bad
+        ``loopwarden-max-*`` header. Its reservation counts against the caller's share of the
+        pool (``caller_of(scope, owner)``, the create path's `Authenticator.caller`)."""
+        limits, _ = effective_limits(self.limits, scope.get("headers", []))
+        caller = self.caller_of(scope, owner) if self.caller_of is not None else owner
+        return StoreRead(self, limits.max_retained_bytes, caller)
 
 
 class StoreRead:
@@ -169,9 +172,10 @@ class StoreRead:
     released by `close`.
     """
 
-    def __init__(self, reads: StoreReads, max_retained_bytes: int) -> None:
+    def __init__(self, reads: StoreReads, max_retained_bytes: int, caller: str = "") -> None:
         self.reads = reads
         self.max_retained_bytes = max_retained_bytes
+        self.caller = caller
         self.ledger: Ledger | None = None
         self.reservation: RequestReservation | None = None
 
@@ -242,7 +246,7 @@ class StoreRead:
         reason = pool.refusal(0)
         if reason is not None:
             raise self._overloaded(reason, 0)
-        self.reservation = pool.admit(0)
+        self.reservation = pool.admit(0, caller=self.caller)
         limit = read_ledger_limit(
             self.max_retained_bytes, self.reads.model, extra_bytes=extra_bytes, extra_nodes=extra_nodes
         )

@@ -245,7 +245,7 @@ def store_routes(
         that body is sent, and is closed at once when the handler fails."""
 
         async def run(request: Request, store: Store, owner: str) -> Response:
-            read = reads.start(request.scope["headers"])
+            read = reads.start(request.scope, owner)
             try:
                 return read.respond(await handler(request, store, owner, read))
             except BaseException:
