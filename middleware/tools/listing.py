@@ -131,7 +131,9 @@ class ListingMeter:
         (also kept in `refused`) when the ledger cannot take it, and again for every later chunk."""
         if self.refused is not None:
             raise self.refused
-        self._reserve(LISTING_MODEL.output_charge(len(chunk), self._nodes(chunk), False))
+        # The per-byte part first: a chunk that cannot fit is refused before any counting work.
+        self._reserve(LISTING_MODEL.output_charge(len(chunk), 0, False))
+        self._reserve(LISTING_MODEL.output_charge(0, self._nodes(chunk), False))
         self.wire_bytes += len(chunk)
 
     def charge_parsed(self, serialized: bytes) -> None:
