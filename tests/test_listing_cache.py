@@ -29,6 +29,7 @@ import mcp_types
 import pytest
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import Tool, ToolListChangedNotification
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from budget import BudgetExceeded, JsonNodeCounter, Ledger, count_json_nodes
 from middleware import cli
@@ -41,6 +42,7 @@ from middleware.tools.listing import LISTING_MODEL, ListingCache, ListingMeter, 
 from tests.helpers import FC, B, gateway, message_item, response_obj, sdk
 from tests.mcp_servers import Probe, Recorder, build_tools_server, serve_mcp
 from tests.mock_upstream import MockUpstream, Reply
+from tests.servers import serve_asgi
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,6 +116,45 @@ def build_beta_server() -> MCPServer[Any]:
         return "beta enabled"
 
     return server
+
+
+def legacy_only(app: ASGIApp) -> ASGIApp:
+    """`app` refusing ``server/discover`` (as a pre-2026 server does), so that clients fall back to
+    the ``initialize`` handshake and the SDK's server answers requests as SSE streams."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await app(scope, receive, send)
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        parsed = json.loads(body) if body else None
+        if isinstance(parsed, dict) and parsed.get("method") == "server/discover":
+            error = {"code": -32601, "message": "Method not found"}
+            answer = json.dumps({"jsonrpc": "2.0", "id": parsed.get("id"), "error": error}).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": answer})
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await app(scope, replay, send)
+
+    return wrapped
 
 
 def _serve_listing(tools: int, port: int) -> None:
@@ -375,6 +416,35 @@ def test_a_listing_is_charged_while_read_and_a_refused_one_is_never_parsed() -> 
     assert catalog.cache.entries == 0
 
 
+@pytest.mark.parametrize("transport", ["json", "sse"])
+def test_a_refused_answer_fails_the_request_not_the_session(transport: str) -> None:
+    """Refused while read, as a JSON body (2026 servers) or an SSE stream (the handshake era):
+    the request gets `BudgetExceeded`, and the pooled session serves the next listing."""
+    app = build_listing_server(2000).streamable_http_app()
+    with serve_asgi(app if transport == "json" else legacy_only(app)) as base:
+        catalog = ToolCatalog([McpServerConfig(label="big", url=f"{base}/mcp")], list_ttl=0)
+        small, large = Ledger(B), Ledger(64 * B)
+        found: list[Any] = []
+
+        async def main() -> None:
+            try:
+                with pytest.raises(BudgetExceeded) as info:
+                    await catalog.resolve([mcp_tool("big")], ledger=small)
+                found.append(info.value)
+                found.append(await catalog.resolve([mcp_tool("big")], ledger=large))
+            finally:
+                stats = catalog.pool.stats()
+                await catalog.aclose()
+            found.append(stats)
+
+        run(main())
+    refusal, resolved, stats = found
+    assert (refusal.phase, refusal.limit) == ("reserve", B)
+    assert (small.charged, small.peak <= B) == (0, True)
+    assert len(resolved.list_items[0]["tools"]) == 2000 and large.charged > 0
+    assert (stats.opened, stats.leases, stats.reused, stats.discarded) == (1, 2, 1, 0)
+
+
 def test_a_malformed_frame_does_not_hide_the_nodes_of_the_next() -> None:
     """Nodes are counted lexically over the answer stream; a line ending inside a string (which a
     JSON string never spans) restarts the count, so a server cannot send one bad SSE frame to
@@ -509,6 +579,7 @@ def test_a_listing_over_the_requests_budget_is_a_502_and_is_not_cached(
         assert r.headers["content-type"].startswith("application/json")
         assert r.headers["x-should-retry"] == "false"
         assert r.json()["error"]["code"] == "max_retained_bytes_exceeded"
+        assert "while reading the tools/list answer of MCP server 'big'" in r.json()["error"]["message"]
     assert recorder.count("tools/list") - before == 2  # a refused listing is never cached
 
 

@@ -142,6 +142,13 @@ def _serialized(tools: Sequence[_ListedTool]) -> bytes:
     ).encode("utf-8", "surrogatepass")
 
 
+def _about(exc: BudgetExceeded | PoolExhausted, what: str) -> BudgetExceeded | PoolExhausted:
+    """`exc` with `what` (which part of the MCP tool listing did not fit, and what else helps)
+    appended to its message; the outcome table answers it by its fields, as any ledger refusal."""
+    exc.args = (f"{exc} ({what})",)
+    return exc
+
+
 def _bad(index: int, message: str, code: str = "invalid_value") -> InvalidRequest:
     return InvalidRequest(f"tools[{index}]: {message}", code=code, param="tools")
 
@@ -356,7 +363,14 @@ class ToolCatalog:
             # What the request keeps of its listings (as parsed objects) for every round, × 2 with
             # store (they are persisted with the response).
             listed = json.dumps(list_items, separators=(",", ":")).encode()
-            ledger.reserve(LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), store))
+            try:
+                ledger.reserve(LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), store))
+            except (BudgetExceeded, PoolExhausted) as exc:
+                raise _about(
+                    exc,
+                    "for the mcp_list_tools items of this request; or narrow its MCP servers with "
+                    "allowed_tools",
+                ) from None
         return ResolvedTools(
             upstream_tools=upstream,
             list_items=list_items,
@@ -472,7 +486,11 @@ class ToolCatalog:
             exc = failures.get(d.label)
             if isinstance(exc, BudgetExceeded | PoolExhausted):
                 log.info("MCP server %r: tools/list refused by the request's ledger", d.label)
-                raise exc
+                raise _about(
+                    exc,
+                    f"while reading the tools/list answer of MCP server {d.label!r}, which lists more "
+                    "tools than this request can hold; or leave that server out of tools",
+                )
         for d in missing:
             if d.label in failures:
                 exc = failures[d.label]
@@ -521,7 +539,7 @@ class ToolCatalog:
                             describe_exception(exc),
                         )
                         if meter is not None:
-                            meter.release()  # that answer is gone
+                            meter.restart()  # that answer is gone
                         continue
                     raise
                 lease.release()

@@ -79,7 +79,8 @@ class ListingMeter:
     or `PoolExhausted`) is kept in `refused` and raised again by every later `feed`, so a refused
     answer is never read further. `charge_parsed` charges the same price for an answer that had
     no bytes to show (in-process and stdio servers), after it was parsed. `release` gives back
-    everything charged. Budget bytes throughout; not thread-safe (one fetch, one task).
+    everything charged, `restart` also forgets what was fed. Budget bytes throughout; not
+    thread-safe (one fetch, one task).
     """
 
     __slots__ = ("_counter", "_ledger", "charged", "refused", "wire_bytes")
@@ -148,6 +149,13 @@ class ListingMeter:
         if self.charged:
             self._ledger.release(self.charged)
             self.charged = 0
+
+    def restart(self) -> None:
+        """`release`, and meter the next answers as if nothing had been fed (a failed listing is
+        tried again)."""
+        self.release()
+        self._counter = JsonNodeCounter(max_depth=None)
+        self.wire_bytes = 0
 
 
 class ListingCache(Generic[V]):
