@@ -445,6 +445,29 @@ def test_a_refused_answer_fails_the_request_not_the_session(transport: str) -> N
     assert (stats.opened, stats.leases, stats.reused, stats.discarded) == (1, 2, 1, 0)
 
 
+def test_an_in_process_listing_is_charged_once_parsed() -> None:
+    """An in-process server has no answer bytes to meter: its listing is charged from its
+    serialized form right after parsing, at the same price."""
+    catalog = ToolCatalog([McpServerConfig(label="big", app=build_listing_server(2000))], list_ttl=0)
+    small, large = Ledger(B), Ledger(64 * B)
+    with pytest.raises(BudgetExceeded) as info:
+        run(catalog.resolve([mcp_tool("big")], ledger=small))
+    assert (info.value.phase, small.charged) == ("reserve", 0)
+    resolved = run(catalog.resolve([mcp_tool("big")], ledger=large))
+    listed = json.dumps(resolved.list_items, separators=(",", ":")).encode()
+    kept = LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), False)
+    answer = json.dumps(
+        [
+            [t["name"], t["description"], t["input_schema"], t["annotations"], False]
+            for t in resolved.list_items[0]["tools"]
+        ],
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode()
+    assert large.charged == kept
+    assert large.peak == kept + LISTING_MODEL.output_charge(len(answer), count_json_nodes(answer), False)
+
+
 def test_a_malformed_frame_does_not_hide_the_nodes_of_the_next() -> None:
     """Nodes are counted lexically over the answer stream; a line ending inside a string (which a
     JSON string never spans) restarts the count, so a server cannot send one bad SSE frame to

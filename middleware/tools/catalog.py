@@ -467,14 +467,14 @@ class ToolCatalog:
                 meters.append(meter)
             since = self._cache.epoch()
             try:
-                listed, serialized = await self._fetch(d.endpoint, meter)
+                listed = await self._fetch(d.endpoint, meter)
             except Exception as exc:
                 failures[d.label] = exc
                 return
             found[d.label] = listed
             if self._cache.enabled:
                 key = self._key(d, tenant)
-                size = listing_size(serialized, key)
+                size = listing_size(_serialized(listed), key)
                 if not self._cache.put(key, server_identity(d.endpoint), listed, size, since=since):
                     log.debug("MCP server %r: listing of %d bytes not cached", d.label, size)
 
@@ -507,13 +507,10 @@ class ToolCatalog:
                 )
         return found
 
-    async def _fetch(
-        self, endpoint: Endpoint, meter: ListingMeter | None
-    ) -> tuple[tuple[_ListedTool, ...], bytes]:
+    async def _fetch(self, endpoint: Endpoint, meter: ListingMeter | None) -> tuple[_ListedTool, ...]:
         """List every tool of `endpoint` (all pages) on a pooled session, within `connect_timeout`
-        seconds in total; return them and their compact JSON (`_serialized`). ``tools/list`` has
-        no side effects: when it fails on a reused session, it is tried once more on a new one (the
-        pooled one may have died since its last use).
+        seconds in total. ``tools/list`` has no side effects: when it fails on a reused session,
+        it is tried once more on a new one (the pooled one may have died since its last use).
 
         `meter` (None: nothing is charged) sees the answers' bytes before the SDK parses them
         (`metering`); in-process and stdio answers are charged once parsed. When it refuses an
@@ -529,7 +526,7 @@ class ToolCatalog:
                     with metering(meter):
                         tools = await self._list_pages(lease.client)
                 except BaseException as exc:
-                    if meter is not None and meter.refused is not None:
+                    if isinstance(exc, Exception) and meter is not None and meter.refused is not None:
                         lease.release()  # the answer was refused, the session is not at fault
                         raise meter.refused from None
                     lease.discard()
@@ -543,10 +540,9 @@ class ToolCatalog:
                         continue
                     raise
                 lease.release()
-                serialized = _serialized(tools)
                 if meter is not None and meter.wire_bytes == 0:
-                    meter.charge_parsed(serialized)  # no HTTP answer to meter: in-process or stdio
-                return tools, serialized
+                    meter.charge_parsed(_serialized(tools))  # no HTTP answer to meter: in-process or stdio
+                return tools
         raise AssertionError("unreachable")  # pragma: no cover
 
     @staticmethod
