@@ -149,6 +149,7 @@ def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
         servers,
         allow_prefixes=settings.mcp_allow,
         list_ttl=settings.mcp_list_ttl,
+        list_cache_bytes=settings.mcp_list_cache_bytes,
         connect_timeout=settings.upstream_connect_timeout,
         pool_limits=PoolLimits(
             idle_timeout=settings.mcp_session_idle_timeout,

@@ -101,7 +101,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="append",
         help="URL prefix a client-declared MCP server_url must match; repeatable (default: none allowed)",
     )
-    p.add_argument("--mcp-list-ttl", type=float, help="seconds a server's tools/list is cached (default 300)")
+    p.add_argument(
+        "--mcp-list-ttl", type=float, help="seconds a server's tools/list is cached (default 300; 0: never)"
+    )
+    p.add_argument(
+        "--mcp-list-cache-bytes",
+        type=int,
+        help="bytes all cached tools/list results may keep alive, LRU-evicted (default 16777216; 0: never cache)",
+    )
     p.add_argument(
         "--mcp-session-idle-timeout",
         type=float,

@@ -59,6 +59,7 @@ class Settings:
     mcp_server: tuple[str, ...] = ()
     mcp_allow: tuple[str, ...] = ()
     mcp_list_ttl: float = 300.0
+    mcp_list_cache_bytes: int = 16_777_216
     mcp_session_idle_timeout: float = 60.0
     mcp_idle_sessions_per_server: int = 4
     tool_timeout: float = 60.0
@@ -116,6 +117,14 @@ class Settings:
             raise SettingsError(
                 f"mcp_idle_sessions_per_server must be in 0..=64, got {self.mcp_idle_sessions_per_server}"
             )
+        if not self.mcp_list_ttl >= 0:
+            raise SettingsError(
+                f"mcp_list_ttl must be a number of seconds >= 0 (0: never cache), got {self.mcp_list_ttl}"
+            )
+        if not 0 <= self.mcp_list_cache_bytes <= 1_073_741_824:
+            raise SettingsError(
+                f"mcp_list_cache_bytes must be in 0..=1073741824 (0: never cache), got {self.mcp_list_cache_bytes}"
+            )
         if not 1 <= self.tool_concurrency <= 100:
             raise SettingsError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
         if not 1 <= self.tool_max_result_bytes <= 268_435_456:
@@ -132,7 +141,6 @@ class Settings:
             "upstream_deadline",
             "client_body_timeout",
             "keepalive_interval",
-            "mcp_list_ttl",
             "mcp_session_idle_timeout",
             "tool_timeout",
             "retry_after",

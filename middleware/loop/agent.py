@@ -23,7 +23,6 @@ import logging
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
-from budget import ChargeModel, count_json_nodes
 from middleware.errors import InvalidRequest, LoopLimitReached
 from middleware.ids import new_id
 from middleware.loop.approvals import approval_id, check_approvals, check_call_pairs, pending_approvals
@@ -64,7 +63,6 @@ from middleware.upstream.reader import (
 )
 
 T = TypeVar("T")
-LISTING_MODEL = ChargeModel.measured()  # charges the MCP tool listings a request holds
 log = logging.getLogger("loopwarden")
 
 
@@ -135,16 +133,9 @@ class AgentLoop:
             metrics.INFERENCE_ROUNDS.observe(self.rounds)
 
     async def _prepare(self) -> None:
-        """Charge the tool lists, restore stored history, check call pairing, and settle answered
-        approvals (B03, B05)."""
-        if self.resolved.list_items:
-            # What tools/list brought in is held (as parsed objects) for every round. It is charged
-            # at the calibrated CPython rates (sound: budget tests measure them with tracemalloc),
-            # not the reference multipliers, which would price an ordinary 8-tool server out of a
-            # 1 MiB request; a 3000-tool listing is still refused before any upstream call.
-            listed = json.dumps(self.resolved.list_items, separators=(",", ":")).encode()
-            charge = LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), self.ctx.store)
-            self.ctx.ledger.reserve(charge)
+        """Restore stored history, check call pairing, and settle answered approvals (B03, B05)."""
+        # What tools/list brought in is already charged: `ToolCatalog.resolve` charged each answer
+        # while it was read and, once the tools were exposed, what this request keeps of them.
         store = self.state.store
         if store is not None:
             self.recorder.restored = await restore_history(

@@ -37,7 +37,10 @@ class ResponsesApp:
         if has_mcp or stateful:
             assert self.state.catalog is not None, "the lifespan creates the tool catalog"
             resolved = await self.state.catalog.resolve(
-                tools if isinstance(tools, list) else None, tenant=ctx.owner
+                tools if isinstance(tools, list) else None,
+                tenant=ctx.owner,
+                ledger=ctx.ledger,
+                store=ctx.store,
             )
             await AgentLoop(self.state, ctx, resolved).run()
         else:

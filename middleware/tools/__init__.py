@@ -12,6 +12,8 @@ One job per module:
 
 * `catalog` — `ToolCatalog.resolve`: a request's ``mcp`` tools become function tools (names,
   ``LABEL__name``, the ``tools/list`` cache), or the request is refused.
+* `listing` — what a ``tools/list`` answer costs: `ListingMeter` (its charge while it is read)
+  and `ListingCache` (the byte-bounded LRU of listings kept across requests).
 * `resolved` — `ResolvedTools` and `GatewayTool`: what one request's tools resolved to.
 * `policy` — the ``allowed_tools`` and ``require_approval`` filters.
 * `execute` — `run_tool_calls` (window, timeout, cap, charge, retry) and `refuse_tool_call`.
@@ -22,8 +24,8 @@ One job per module:
 * `text` — lone-surrogate scrubbing, MCP results as text, exception summaries.
 
 Imports point one way: ``text``, ``policy`` and ``endpoints`` import no other tool module;
-``session`` uses ``endpoints``; ``pool`` uses ``session``; ``resolved`` uses ``pool``; ``catalog``
-and ``execute`` use ``resolved`` and never each other.
+``session`` and ``listing`` use ``endpoints``; ``pool`` uses ``session``; ``resolved`` uses ``pool``;
+``catalog`` (which also uses ``listing``) and ``execute`` use ``resolved`` and never each other.
 """
 
 from middleware.tools.catalog import ToolCatalog

@@ -2,13 +2,24 @@
 
 `ToolCatalog` is created once per process from the operator's servers (`McpServerConfig`) and
 ``--mcp-allow`` prefixes (`UrlAllowlist`). Once per client request, ``resolved = await
-catalog.resolve(request["tools"], tenant=owner)`` validates the request's ``{"type": "mcp", ...}``
-tools, lists each server's tools (cached across requests for ``--mcp-list-ttl`` seconds; the
-caller's ``tenant`` keys the pooled sessions) and returns a `ResolvedTools`: function tools for
-the upstream (``upstream_tools``), ``mcp_list_tools`` output items for the client (``list_items``)
-and, per function name, the `GatewayTool` behind a gateway-owned call
-(``resolved.gateway_tool(name)``; None for a client-owned one). Running the calls is
-`middleware.tools.execute.run_tool_calls`, which this module does not import.
+catalog.resolve(request["tools"], tenant=owner, ledger=ledger, store=store)`` validates the
+request's ``{"type": "mcp", ...}`` tools, lists each server's tools and returns a
+`ResolvedTools`: function tools for the upstream (``upstream_tools``), ``mcp_list_tools`` output
+items for the client (``list_items``) and, per function name, the `GatewayTool` behind a
+gateway-owned call (``resolved.gateway_tool(name)``; None for a client-owned one). Running the
+calls is `middleware.tools.execute.run_tool_calls`, which this module does not import.
+
+**Memory.** A ``tools/list`` answer is charged to the request's ledger while it is read, before
+the SDK parses a byte of it (`middleware.tools.listing.ListingMeter`, at the transport); an answer
+the request cannot afford stops being read and fails the request through the outcome table
+(`BudgetExceeded`, 502 ``max_retained_bytes_exceeded``). Once the tools are exposed, what the
+request keeps of them (its ``mcp_list_tools`` items, × 2 with store) is charged instead and the
+answer's charge is released. Listings are kept across requests in a `ListingCache` bounded in bytes
+(``--mcp-list-cache-bytes``, least recently used evicted first) for ``--mcp-list-ttl`` seconds,
+keyed by (server: operator label or normalised URL with its query, digest of the headers, caller):
+no caller is ever served another caller's listing, and varying a ``server_url`` only evicts.
+``notifications/tools/list_changed`` from a server (on any of its pooled sessions) drops every
+entry of that server.
 
 MCP sessions (listing and calls) come from the catalog's `SessionPool` (``catalog.pool``), which
 keeps them open across rounds and requests; the app's lifespan ends with ``await catalog.aclose()``.
@@ -51,10 +62,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import json
 import logging
-import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -63,6 +74,7 @@ import anyio
 import mcp
 import mcp_types
 
+from budget import BudgetExceeded, Ledger, PoolExhausted, count_json_nodes
 from middleware.errors import InvalidRequest, McpServerUnavailable
 from middleware.ops.redact import redact_url
 from middleware.tools.endpoints import (
@@ -73,12 +85,20 @@ from middleware.tools.endpoints import (
     validate_headers,
     validate_label,
 )
+from middleware.tools.listing import (
+    LISTING_MODEL,
+    ListingCache,
+    ListingMeter,
+    listing_size,
+    server_identity,
+)
 from middleware.tools.policy import ApprovalPolicy, ToolFilter, parse_allowed_tools, parse_approval
 from middleware.tools.pool import PoolLimits, SessionPool, SessionUnavailable
 from middleware.tools.resolved import GatewayTool, ResolvedTools
+from middleware.tools.session import metering
 from middleware.tools.text import describe_exception, scrub_json, scrub_text
 
-__all__ = ["MAX_LIST_PAGES", "ToolCatalog"]
+__all__ = ["DEFAULT_LIST_CACHE_BYTES", "MAX_LIST_PAGES", "ToolCatalog"]
 
 log = logging.getLogger("loopwarden.tools")
 
@@ -86,8 +106,11 @@ log = logging.getLogger("loopwarden.tools")
 # that never ends must not hang a request).
 MAX_LIST_PAGES: Final = 100
 
+#: ``--mcp-list-cache-bytes``' default: 16 MiB (a quarter of one request's default budget).
+DEFAULT_LIST_CACHE_BYTES: Final = 16 * 1024 * 1024
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class _ListedTool:
     """One entry of a server's ``tools/list``, JSON-ready and scrubbed of lone surrogates."""
 
@@ -105,15 +128,25 @@ class _Declared:
     index: int
     label: str
     endpoint: Endpoint
-    cache_key: tuple[str, ...]
+    cache_key: tuple[str, ...]  # without the caller (`_key` adds it)
     allowed: ToolFilter
     approval: ApprovalPolicy
 
 
-@dataclass(frozen=True)
-class _CacheEntry:
-    expires: float
-    tools: tuple[_ListedTool, ...]
+def _serialized(tools: Sequence[_ListedTool]) -> bytes:
+    """A listing as compact JSON (UTF-8), what its charges and cache size are priced from."""
+    return json.dumps(
+        [[t.name, t.description, t.input_schema, t.annotations, t.read_only] for t in tools],
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode("utf-8", "surrogatepass")
+
+
+def _about(exc: BudgetExceeded | PoolExhausted, what: str) -> BudgetExceeded | PoolExhausted:
+    """`exc` with `what` (which part of the MCP tool listing did not fit, and what else helps)
+    appended to its message; the outcome table answers it by its fields, as any ledger refusal."""
+    exc.args = (f"{exc} ({what})",)
+    return exc
 
 
 def _bad(index: int, message: str, code: str = "invalid_value") -> InvalidRequest:
@@ -141,13 +174,15 @@ class ToolCatalog:
     * `servers` — the operator-configured servers, by label (ValueError on a repeated label);
     * `allow_prefixes` — ``--mcp-allow`` URL prefixes a client-declared ``server_url`` must match
       (`UrlAllowlist`; ValueError names an invalid prefix); empty = no client-declared servers;
-    * `list_ttl` — seconds a server's ``tools/list`` answer is reused across requests (0 = never);
-      failures are not cached. Client-declared servers are cached per (normalised URL, headers),
-      so one client's credentials never decide what another client sees;
+    * `list_ttl` — seconds a server's ``tools/list`` answer is reused across requests (>= 0;
+      0 = never cached); failures are not cached. Entries are kept per (server, digest of the
+      headers, caller), so no caller ever gets another caller's listing (ValueError if < 0);
     * `connect_timeout` — seconds to connect to a server and list its tools, also the bound on
       opening a session in `run_tool_calls`;
-    * `max_cached_lists` — entries kept (least recently stored evicted first): client-declared
-      URLs must not grow the cache without bound;
+    * `list_cache_bytes` — the bytes all cached listings may keep alive together (>= 0; 0 = never
+      cached; default `DEFAULT_LIST_CACHE_BYTES`), least recently used evicted first; a listing
+      larger than this is not cached (`middleware.tools.listing.ListingCache`, sizes from
+      `middleware.tools.listing.listing_size`); ValueError if < 0;
     * `pool_limits` — how open MCP sessions are kept for reuse (`PoolLimits`: idle timeout, idle
       sessions per server and in total, calls per session).
 
@@ -163,7 +198,7 @@ class ToolCatalog:
         allow_prefixes: Sequence[str] = (),
         list_ttl: float = 300.0,
         connect_timeout: float = 10.0,
-        max_cached_lists: int = 256,
+        list_cache_bytes: int = DEFAULT_LIST_CACHE_BYTES,
         pool_limits: PoolLimits | None = None,
     ) -> None:
         self._servers: dict[str, McpServerConfig] = {}
@@ -172,17 +207,14 @@ class ToolCatalog:
                 raise ValueError(f"MCP server label {server.label!r} is configured twice")
             self._servers[server.label] = server
         self._allowlist = UrlAllowlist(allow_prefixes)
-        if not list_ttl >= 0:
-            raise ValueError(f"mcp_list_ttl must be >= 0 seconds, got {list_ttl!r}")
         if not connect_timeout > 0:
             raise ValueError(f"MCP connect_timeout must be > 0 seconds, got {connect_timeout!r}")
-        if max_cached_lists < 1:
-            raise ValueError(f"max_cached_lists must be >= 1, got {max_cached_lists!r}")
+        self._cache: ListingCache[tuple[_ListedTool, ...]] = ListingCache(list_cache_bytes, list_ttl)
         self.list_ttl = list_ttl
         self.connect_timeout = connect_timeout
-        self._max_cached = max_cached_lists
-        self._cache: OrderedDict[tuple[str, ...], _CacheEntry] = OrderedDict()
-        self.pool = SessionPool(pool_limits, connect_timeout=connect_timeout)
+        self.pool = SessionPool(
+            pool_limits, connect_timeout=connect_timeout, on_tools_changed=self._tools_changed
+        )
 
     def __repr__(self) -> str:
         return (
@@ -195,16 +227,39 @@ class ToolCatalog:
         """The operator-configured servers, by label."""
         return self._servers
 
+    @property
+    def cache(self) -> ListingCache[tuple[_ListedTool, ...]]:
+        """The listing cache (read its ``bytes`` and ``entries``; `ListingCache`)."""
+        return self._cache
+
+    def _tools_changed(self, endpoint: Endpoint) -> None:
+        """A server said ``notifications/tools/list_changed`` on a session to `endpoint`."""
+        dropped = self._cache.invalidate(server_identity(endpoint))
+        log.info("MCP server %s: tools/list_changed, %d cached listing(s) dropped", endpoint, dropped)
+
     async def aclose(self) -> None:
         """Close the pooled MCP sessions (`SessionPool.aclose`); later calls get no session."""
         await self.pool.aclose()
 
-    async def resolve(self, tools: list[dict[str, Any]] | None, *, tenant: str = "") -> ResolvedTools:
+    async def resolve(
+        self,
+        tools: list[dict[str, Any]] | None,
+        *,
+        tenant: str = "",
+        ledger: Ledger | None = None,
+        store: bool = False,
+    ) -> ResolvedTools:
         """Expose a request's ``tools`` (see the module docstring for names, approval and errors).
 
         ``tenant`` (the caller's owner hash) keys the pooled sessions the request's tool calls run
-        on: callers with different API keys never share an MCP session. Listings (side-effect
-        free, cached for ``--mcp-list-ttl``) are shared.
+        on, and the cached listings: callers with different API keys never share an MCP session
+        or a cached listing.
+
+        ``ledger`` (the request's; None: nothing is charged) pays for the listings: each answer
+        is charged while it is read (`ListingMeter`), then, once the tools are exposed, what the
+        request keeps — its ``mcp_list_tools`` items, at ``LISTING_MODEL.accumulated_charge``
+        (× 2 with ``store``) — is reserved and the answers' charges are released. A charge that
+        does not fit raises `BudgetExceeded` (or `PoolExhausted`) and stops that answer's reading.
 
         Every ``{"type": "mcp"}`` entry is validated first (`InvalidRequest`, no I/O); then the servers whose
         lists are not cached are listed concurrently, each bounded by `connect_timeout` seconds
@@ -226,8 +281,25 @@ class ToolCatalog:
                     )
                 seen[entry.label] = index
                 declared.append(entry)
-        listings = await self._list_all(declared)
+        meters: list[ListingMeter] = []
+        try:
+            listings = await self._list_all(declared, tenant, ledger, meters)
+            return self._expose(tools, declared, listings, tenant, ledger, store)
+        finally:
+            for meter in meters:
+                meter.release()
 
+    def _expose(
+        self,
+        tools: list[dict[str, Any]],
+        declared: Sequence[_Declared],
+        listings: Mapping[str, tuple[_ListedTool, ...]],
+        tenant: str,
+        ledger: Ledger | None,
+        store: bool,
+    ) -> ResolvedTools:
+        """The `ResolvedTools` of `declared` from their `listings`; charges `ledger` for the
+        ``mcp_list_tools`` items the request keeps (raises `BudgetExceeded` / `PoolExhausted`)."""
         exposed = {d.label: [t for t in listings[d.label] if d.allowed.matches(t)] for d in declared}
         counts = Counter(t.name for ts in exposed.values() for t in ts)
         gateway: dict[str, GatewayTool] = {}
@@ -287,6 +359,18 @@ class ToolCatalog:
             }
             for d in declared
         ]
+        if ledger is not None and list_items:
+            # What the request keeps of its listings (as parsed objects) for every round, × 2 with
+            # store (they are persisted with the response).
+            listed = json.dumps(list_items, separators=(",", ":")).encode()
+            try:
+                ledger.reserve(LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), store))
+            except (BudgetExceeded, PoolExhausted) as exc:
+                raise _about(
+                    exc,
+                    "for the mcp_list_tools items of this request; or narrow its MCP servers with "
+                    "allowed_tools",
+                ) from None
         return ResolvedTools(
             upstream_tools=upstream,
             list_items=list_items,
@@ -352,30 +436,61 @@ class ToolCatalog:
         endpoint = Endpoint(url=normal, headers=headers)
         return _Declared(index, label, endpoint, ("client", normal, digest), allowed, approval)
 
-    async def _list_all(self, declared: Sequence[_Declared]) -> dict[str, tuple[_ListedTool, ...]]:
+    def _key(self, d: _Declared, tenant: str) -> tuple[str, ...]:
+        """The cache key of `d` for caller `tenant`."""
+        return (*d.cache_key, tenant)
+
+    async def _list_all(
+        self,
+        declared: Sequence[_Declared],
+        tenant: str,
+        ledger: Ledger | None,
+        meters: list[ListingMeter],
+    ) -> dict[str, tuple[_ListedTool, ...]]:
         """Each declared server's tools, from the cache or listed concurrently (each within
-        `connect_timeout` seconds); raises `McpServerUnavailable` naming the first that failed."""
+        `connect_timeout` seconds), the answers charged to `ledger` by meters appended to
+        `meters` (the caller releases them). Raises `BudgetExceeded` / `PoolExhausted` when an
+        answer did not fit, else `McpServerUnavailable` naming the first server that failed."""
         found: dict[str, tuple[_ListedTool, ...]] = {}
         failures: dict[str, BaseException] = {}
-        now = time.monotonic()
         missing: list[_Declared] = []
         for d in declared:
-            entry = self._cache.get(d.cache_key)
-            if entry is not None and entry.expires > now:
-                found[d.label] = entry.tools
+            cached = self._cache.get(self._key(d, tenant))
+            if cached is not None:
+                found[d.label] = cached
             else:
                 missing.append(d)
 
         async def fetch(d: _Declared) -> None:
+            meter = ListingMeter(ledger) if ledger is not None else None
+            if meter is not None:
+                meters.append(meter)
+            since = self._cache.epoch()
             try:
-                found[d.label] = await self._fetch(d.endpoint)
+                listed = await self._fetch(d.endpoint, meter)
             except Exception as exc:
                 failures[d.label] = exc
+                return
+            found[d.label] = listed
+            if self._cache.enabled:
+                key = self._key(d, tenant)
+                size = listing_size(_serialized(listed), key)
+                if not self._cache.put(key, server_identity(d.endpoint), listed, size, since=since):
+                    log.debug("MCP server %r: listing of %d bytes not cached", d.label, size)
 
         if missing:
             async with anyio.create_task_group() as tg:
                 for d in missing:
                     tg.start_soon(fetch, d)
+        for d in missing:
+            exc = failures.get(d.label)
+            if isinstance(exc, BudgetExceeded | PoolExhausted):
+                log.info("MCP server %r: tools/list refused by the request's ledger", d.label)
+                raise _about(
+                    exc,
+                    f"while reading the tools/list answer of MCP server {d.label!r}, which lists more "
+                    "tools than this request can hold; or leave that server out of tools",
+                )
         for d in missing:
             if d.label in failures:
                 exc = failures[d.label]
@@ -390,17 +505,17 @@ class ToolCatalog:
                     f"({detail}); retry later, or leave it out of tools",
                     param="tools",
                 )
-            if self.list_ttl > 0:
-                self._cache[d.cache_key] = _CacheEntry(time.monotonic() + self.list_ttl, found[d.label])
-                self._cache.move_to_end(d.cache_key)
-                while len(self._cache) > self._max_cached:
-                    self._cache.popitem(last=False)
         return found
 
-    async def _fetch(self, endpoint: Endpoint) -> tuple[_ListedTool, ...]:
+    async def _fetch(self, endpoint: Endpoint, meter: ListingMeter | None) -> tuple[_ListedTool, ...]:
         """List every tool of `endpoint` (all pages) on a pooled session, within `connect_timeout`
         seconds in total. ``tools/list`` has no side effects: when it fails on a reused session,
-        it is tried once more on a new one (the pooled one may have died since its last use)."""
+        it is tried once more on a new one (the pooled one may have died since its last use).
+
+        `meter` (None: nothing is charged) sees the answers' bytes before the SDK parses them
+        (`metering`); in-process and stdio answers are charged once parsed. When it refuses an
+        answer, its `BudgetExceeded` / `PoolExhausted` is raised (no retry: the session is fine).
+        """
         with anyio.fail_after(self.connect_timeout):
             for attempt in range(2):
                 try:
@@ -408,17 +523,25 @@ class ToolCatalog:
                 except SessionUnavailable as exc:
                     raise exc.cause or exc from None
                 try:
-                    tools = await self._list_pages(lease.client)
+                    with metering(meter):
+                        tools = await self._list_pages(lease.client)
                 except BaseException as exc:
+                    if isinstance(exc, Exception) and meter is not None and meter.refused is not None:
+                        lease.release()  # the answer was refused, the session is not at fault
+                        raise meter.refused from None
                     lease.discard()
                     if attempt == 0 and lease.reused and isinstance(exc, Exception):
                         log.info(
                             "MCP tools/list failed on a reused session (%s); retrying",
                             describe_exception(exc),
                         )
+                        if meter is not None:
+                            meter.restart()  # that answer is gone
                         continue
                     raise
                 lease.release()
+                if meter is not None and meter.wire_bytes == 0:
+                    meter.charge_parsed(_serialized(tools))  # no HTTP answer to meter: in-process or stdio
                 return tools
         raise AssertionError("unreachable")  # pragma: no cover
 

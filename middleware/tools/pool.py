@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import hashlib
 import hmac
 import json
@@ -20,6 +21,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -296,6 +298,8 @@ class SessionPool:
     Sessions belong to the event loop that opened them; a pool shared by several loops keeps them
     apart. asyncio only (the gateway runs on asyncio; owner tasks are asyncio tasks).
     `connect_timeout` bounds opening a session (seconds), `close_timeout` closing one.
+    `on_tools_changed` (optional, synchronous) is called with a session's `Endpoint` each time its
+    server sends ``notifications/tools/list_changed`` on it (`open_session`).
     """
 
     def __init__(
@@ -304,6 +308,7 @@ class SessionPool:
         *,
         connect_timeout: float = 10.0,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        on_tools_changed: Callable[[Endpoint], None] | None = None,
     ) -> None:
         if not connect_timeout > 0:
             raise ValueError(f"MCP connect_timeout must be > 0 seconds, got {connect_timeout!r}")
@@ -312,6 +317,7 @@ class SessionPool:
         self.limits = limits if limits is not None else PoolLimits()
         self.connect_timeout = connect_timeout
         self.close_timeout = close_timeout
+        self._on_tools_changed = on_tools_changed
         self._loops: dict[asyncio.AbstractEventLoop, _LoopPool] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -407,6 +413,11 @@ class SessionPool:
                     connect_timeout=self.connect_timeout,
                     max_message_bytes=entry.max_message,
                     health=entry.health,
+                    on_tools_changed=(
+                        None
+                        if self._on_tools_changed is None
+                        else functools.partial(self._on_tools_changed, entry.endpoint)
+                    ),
                 ) as client:
                     scope.deadline = math.inf
                     entry.client = client

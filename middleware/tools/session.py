@@ -9,27 +9,32 @@ was the request proven never to have run (safe to send again)? may the session b
 
 Answers are bounded (`DEFAULT_MAX_MESSAGE_BYTES` per MCP message; `MessageTooLarge`, marked with
 `ANSWER_TOO_LARGE`), compressed answers are refused, and lone surrogate escapes are rewritten
-before the SDK parses them (`middleware.tools.text.SurrogateEscapeFixer`).
+before the SDK parses them (`middleware.tools.text.SurrogateEscapeFixer`). A request sent inside
+``with metering(meter):`` has every byte of its HTTP answer shown to `meter` (an `AnswerMeter`)
+before the SDK sees it, so the answer can be charged, or refused, before it is parsed.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import secrets
 import ssl
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, Final, Protocol
 
 import anyio
+import anyio.lowlevel
 import httpx2
 import mcp
 from mcp.client import Transport
+from mcp.client.session import IncomingMessage, MessageHandlerFnT
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from mcp_types import CONNECTION_CLOSED, METHOD_NOT_FOUND
+from mcp_types import CONNECTION_CLOSED, METHOD_NOT_FOUND, ToolListChangedNotification
 
 from middleware.tools.endpoints import Endpoint
 from middleware.tools.text import SurrogateEscapeFixer
@@ -38,9 +43,12 @@ __all__ = [
     "ANSWER_TOO_LARGE",
     "DEFAULT_CLOSE_TIMEOUT",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "AnswerMeter",
+    "AnswerRefused",
     "MessageTooLarge",
     "SessionHealth",
     "call_not_run",
+    "metering",
     "open_session",
     "session_failed",
 ]
@@ -64,6 +72,49 @@ class MessageTooLarge(httpx2.StreamError):
     A ``StreamError`` because that is what the SDK turns into a JSON-RPC error for the one request
     concerned (code -32700, "Failed to parse JSON response: …"), leaving the session usable.
     """
+
+
+class AnswerRefused(httpx2.StreamError):
+    """An `AnswerMeter` refused an answer while it was read (its ``feed`` raised; the reason is
+    the ``__cause__``). A ``StreamError``, like `MessageTooLarge`, so that the SDK fails only the
+    request it answers and the session stays usable."""
+
+
+class AnswerMeter(Protocol):
+    """Sees every byte of the HTTP answers to the requests sent inside ``with metering(meter):``.
+
+    `feed` is called with each chunk of an answer body (JSON or SSE, bytes as received, before
+    the SDK buffers or parses them); raising any ``Exception`` refuses the answer: reading stops,
+    and the request fails with `AnswerRefused`. Called synchronously, from the task that sends
+    the request's HTTP POST (the SDK runs it in a copy of the sender's context).
+    """
+
+    def feed(self, chunk: bytes) -> None:
+        """Account for `chunk` (bytes), or raise to refuse the answer."""
+        ...
+
+
+# The meter of the requests the current task sends (`metering`). The SDK's streamable-HTTP client
+# runs each request's POST in a copy of the context of the task that sent the request
+# (``ContextSendStream``), so the transport, deep in the session's own tasks, sees the sender's.
+_METER: contextvars.ContextVar[AnswerMeter | None] = contextvars.ContextVar(
+    "loopwarden_mcp_meter", default=None
+)
+
+
+@contextmanager
+def metering(meter: AnswerMeter | None) -> Iterator[None]:
+    """Show the HTTP answers to the MCP requests this task sends inside the block to `meter`.
+
+    Only streamable-HTTP sessions have answers to show; in-process and stdio sessions never call
+    `meter`. Requests the session sends on its own (the handshake, the SDK's own background
+    work) are not metered: they are sent from the session's owner task.
+    """
+    token = _METER.set(meter)
+    try:
+        yield
+    finally:
+        _METER.reset(token)
 
 
 class _BodyReadFailed(httpx2.StreamError):
@@ -157,12 +208,20 @@ def session_failed(exc: BaseException) -> bool:
 
 class _FixedStream(httpx2.AsyncByteStream):
     """A response body passed through `SurrogateEscapeFixer`; when `limit` is set, more than
-    `limit` bytes raise `MessageTooLarge` (the body is never held whole past it)."""
+    `limit` bytes raise `MessageTooLarge` (the body is never held whole past it); when `meter` is
+    set, each chunk is shown to it first, and its refusal raises `AnswerRefused`."""
 
-    def __init__(self, inner: httpx2.AsyncByteStream, limit: int | None, health: SessionHealth) -> None:
+    def __init__(
+        self,
+        inner: httpx2.AsyncByteStream,
+        limit: int | None,
+        health: SessionHealth,
+        meter: AnswerMeter | None = None,
+    ) -> None:
         self._inner = inner
         self._limit = limit
         self._health = health
+        self._meter = meter
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         fixer = SurrogateEscapeFixer()
@@ -175,6 +234,11 @@ class _FixedStream(httpx2.AsyncByteStream):
                         f"the MCP server's {ANSWER_TOO_LARGE} of {self._limit:,} bytes "
                         "(--tool-max-result-bytes sets this bound)"
                     )
+                if self._meter is not None:
+                    try:
+                        self._meter.feed(chunk)
+                    except Exception as exc:
+                        raise AnswerRefused(f"the answer was refused while it was read: {exc}") from exc
                 if fixed := fixer.feed(chunk):
                     yield fixed
         except httpx2.TransportError as exc:
@@ -280,6 +344,7 @@ class _GatewayTransport(httpx2.AsyncBaseTransport):
                 response.stream,
                 self._max_json_bytes if kind.startswith("application/json") else None,
                 self._health,
+                _METER.get(),
             ),
             extensions=response.extensions,
         )
@@ -334,6 +399,22 @@ async def _watched(transport: Transport, health: SessionHealth) -> AsyncIterator
         yield _WatchedReadStream(read_stream, health), write_stream
 
 
+def _notification_handler(on_tools_changed: Callable[[], None] | None) -> MessageHandlerFnT | None:
+    """The SDK ``message_handler`` calling `on_tools_changed` for ``notifications/tools/list_changed``
+    (None without one: the SDK's default handler). Everything else it receives is ignored, as
+    the default handler does."""
+    if on_tools_changed is None:
+        return None
+    tools_changed = on_tools_changed
+
+    async def handle(message: IncomingMessage) -> None:
+        if isinstance(message, ToolListChangedNotification):
+            tools_changed()
+        await anyio.lowlevel.checkpoint()
+
+    return handle
+
+
 # Seconds the DELETE that ends a streamable-HTTP session may take (it is bounded by `SessionPool`'s
 # close timeout as well).
 DEFAULT_CLOSE_TIMEOUT: Final = 5.0
@@ -346,6 +427,7 @@ async def open_session(
     connect_timeout: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     health: SessionHealth | None = None,
+    on_tools_changed: Callable[[], None] | None = None,
 ) -> AsyncIterator[mcp.Client]:
     """Connect to `endpoint` and yield an initialised ``mcp.Client``; close it on exit.
 
@@ -359,19 +441,24 @@ async def open_session(
     session, fails alone with an ``MCPError`` (`call_not_run` tells whether it was never run) and
     `health` records that the session is no longer usable; `health` also learns when a stdio
     server's output ends. The SDK's response cache is off: the catalog caches ``tools/list``
-    itself, and call results are never cached. Raises whatever the SDK raises when the connection
+    itself, and call results are never cached. `on_tools_changed` (optional, synchronous) is
+    called for each ``notifications/tools/list_changed`` the server sends on the session — on a
+    request's stream or the standalone one. Raises whatever the SDK raises when the connection
     fails (often an ``ExceptionGroup``).
     """
     health = health if health is not None else SessionHealth()
+    handler = _notification_handler(on_tools_changed)
     if endpoint.app is not None:
-        async with mcp.Client(endpoint.app, cache=None) as client:
+        async with mcp.Client(endpoint.app, cache=None, message_handler=handler) as client:
             health.established = True
             yield client
     elif endpoint.command is not None:
         params = mcp.StdioServerParameters(
             command=endpoint.command[0], args=list(endpoint.command[1:]), encoding_error_handler="replace"
         )
-        async with mcp.Client(_watched(stdio_client(params), health), cache=None) as client:
+        async with mcp.Client(
+            _watched(stdio_client(params), health), cache=None, message_handler=handler
+        ) as client:
             health.established = True
             yield client
     else:
@@ -388,6 +475,6 @@ async def open_session(
             streams = streamable_http_client(
                 endpoint.url, http_client=http, max_sse_event_size=max_message_bytes
             )
-            async with mcp.Client(_watched(streams, health), cache=None) as client:
+            async with mcp.Client(_watched(streams, health), cache=None, message_handler=handler) as client:
                 health.established = True
                 yield client
