@@ -25,6 +25,11 @@ chunked transfer encoding, one HTTP chunk per event, ``sequence_number`` 0..N-1)
 * ``bigjson:BYTES[:HOLD]`` — buffered only: a response object whose one message holds BYTES of
   text; with HOLD, all but the last byte is written at once and the last byte HOLD seconds later
   (the gateway holds the partly read body meanwhile: the memory measurement).
+* ``bigstream:CHARS[:DELTA[:HOLD]]`` — streamed only: one message of CHARS characters of text in
+  deltas of DELTA characters (default 1000), the whole text again in the ``.done`` events and
+  ``response.completed`` (as ``text1mb``); with HOLD, the stream starts HOLD seconds late.
+* ``echotools[:HOLD]`` — buffered: like ``small``, but the response object's ``tools`` echoes the
+  request's ``tools`` (as OpenAI does); with HOLD, answered HOLD seconds late.
 
 ``GET /healthz`` answers 200. Anything else is a 404 JSON error.
 """
@@ -233,6 +238,7 @@ class Scripts:
             http_sse(message_events("tools3", ["do", "ne"])),
         ]
         self.bigjson: dict[int, bytes] = {}
+        self.bigstream: dict[tuple[int, int], bytes] = {}
         self.not_found = http_json(
             _dumps({"error": {"message": "not found", "type": "invalid_request_error", "code": None}}),
             "404 Not Found",
@@ -268,6 +274,22 @@ class Scripts:
                 self.bigjson[size] = http_json(_dumps(response_object("bigjson", [message_item("x" * size)])))
             answer = self.bigjson[size]
             return [answer[:-1], float(hold), answer[-1:]] if hold else [answer]
+        if name == "bigstream":
+            size_text, _, rest = arg.partition(":")
+            delta_text, _, hold = rest.partition(":")
+            key = (int(size_text or 1024), int(delta_text or 1000))
+            if key not in self.bigstream:
+                size, step = key
+                deltas = ["x" * min(step, size - start) for start in range(0, size, step)]
+                self.bigstream[key] = http_sse(message_events("bigstream", deltas))
+            return [float(hold), self.bigstream[key]] if hold else [self.bigstream[key]]
+        if name == "echotools":
+            small = "".join(SMALL_DELTAS)
+            echoed = {
+                **response_object("echotools", [message_item(small)]),
+                "tools": request.get("tools", []),
+            }
+            return [float(arg), http_json(_dumps(echoed))] if arg else [http_json(_dumps(echoed))]
         return [self.bad]
 
 
