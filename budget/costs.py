@@ -260,7 +260,9 @@ class Payload:
     def text(cls, nbytes: int) -> Payload:
         """``nbytes`` bytes of ASCII inside a string (base64, answer text): bytes, no nodes."""
         return cls(
-            dataclasses.replace(_ZERO, nbytes=nbytes, string_bytes=nbytes, chars=nbytes, longest_string=49 + nbytes)
+            dataclasses.replace(
+                _ZERO, nbytes=nbytes, string_bytes=nbytes, chars=nbytes, longest_string=49 + nbytes
+            )
         )
 
     def __add__(self, other: Payload) -> Payload:

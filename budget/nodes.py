@@ -123,6 +123,7 @@ class JsonNodeCounter:
         "_error",
         "_in_string",
         "_num",
+        "_pending",
         "_tally",
         "depth",
         "max_depth",
@@ -150,13 +151,18 @@ class JsonNodeCounter:
         self.nbytes = 0
         """Bytes fed so far."""
         self._tally: FeatureTally | None = FeatureTally() if features else None
+        self._pending = b""  # with features: the bytes of the current 64 KiB piece so far
 
     def features(self) -> JsonFeatures:
         """What the measured charge model prices, for the bytes fed so far (`JsonFeatures`).
 
-        Only for a counter made with ``features=True`` (else `ValueError`)."""
+        Only for a counter made with ``features=True`` (else `ValueError`). Such a counter cuts
+        the text into 64 KiB pieces at fixed offsets of the whole text, holding back the current
+        piece, so its features (and its nodes and depth, which lag by less than one piece until
+        this is called) are the same for every chunking. Raises `JsonTooDeep` like `feed`."""
         if self._tally is None:
             raise ValueError("this JsonNodeCounter was made without features=True")
+        self._flush()
         return self._tally.result(self.nbytes, self.nodes)
 
     @property
@@ -175,6 +181,9 @@ class JsonNodeCounter:
         data = chunk if isinstance(chunk, bytes) else bytes(chunk)
         n = len(data)
         self.nbytes += n
+        if self._tally is not None:  # features: pieces aligned on the whole text, whatever the chunks
+            self._aligned(data)
+            return self.nodes
         if n <= _PIECE:
             if n:
                 self._piece(data)
@@ -182,6 +191,20 @@ class JsonNodeCounter:
             for start in range(0, n, _PIECE):
                 self._piece(data[start : start + _PIECE])
         return self.nodes
+
+    def _aligned(self, data: bytes) -> None:
+        """With features, the text is cut into pieces at fixed offsets of the whole text (at most
+        one piece is held back), so that features, like nodes, do not depend on the chunking."""
+        pending = self._pending + data if self._pending else data
+        whole = len(pending) - len(pending) % _PIECE
+        for start in range(0, whole, _PIECE):
+            self._piece(pending[start : start + _PIECE])
+        self._pending = pending[whole:]
+
+    def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, b""
+            self._piece(pending)
 
     def _piece(self, x: bytes) -> None:
         tally = self._tally

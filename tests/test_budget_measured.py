@@ -204,24 +204,15 @@ def test_sound_on_generated_documents(value: object, ascii_only: bool, owner: st
 
 @given(hostile(), st.lists(st.integers(min_value=1, max_value=5000), min_size=1, max_size=8))
 @settings(max_examples=60, deadline=None)
-def test_features_of_any_chunking_stay_sound(payload: bytes, cuts: list[int]) -> None:
-    # a string split across reads is bounded instead of measured exactly: never below the peak
+def test_features_do_not_depend_on_the_chunking(payload: bytes, cuts: list[int]) -> None:
+    # the counter cuts pieces at fixed offsets of the whole text, whatever the reads
     counter = JsonNodeCounter(max_depth=None, features=True)
     start = 0
     for cut in cuts:
         counter.feed(payload[start : start + cut])
         start += cut
     counter.feed(payload[start:])
-    whole = json_features(payload)
-    f = counter.features()
-    assert (f.nbytes, f.nodes, f.chars, f.nonascii_bytes) == (
-        whole.nbytes,
-        whole.nodes,
-        whole.chars,
-        whole.nonascii_bytes,
-    )
-    charge = ChargeModel.measured().measured_input(f, store=False)
-    assert charge >= pipeline_peak(payload, "input", False)
+    assert counter.features() == json_features(payload)
 
 
 def test_features_count_what_cpython_builds() -> None:

@@ -414,7 +414,9 @@ async def one_client(client: httpx.AsyncClient, url: str, rng: random.Random) ->
     body: dict[str, Any] = {"model": "m", "input": f"{scenario}:{count}", "stream": True}
     headers = dict(AUTH)
     if scenario == "overflow":
-        headers["loopwarden-max-retained-bytes"] = "262144"  # 1500-byte deltas kept at 64 x: ~3 fit
+        headers["loopwarden-max-retained-bytes"] = (
+            "65536"  # 30 deltas of 1500 bytes kept (~5 KiB each) cannot fit
+        )
     if scenario == "tool":
         body["tools"] = [TOOLS_DECL]
     if scenario == "stateless":

@@ -2,14 +2,15 @@
 upstream and a real MCP server.
 
 * Create bodies: for generated bodies and ``loopwarden-max-retained-bytes`` values the gateway answers
-  413 exactly when the ledger's input charge (`budget.ChargeModel` with `count_json_nodes`; the raw
-  clamp ``limit // 32`` first) exceeds the limit, and calls the upstream otherwise — the same for
-  ``Content-Length`` and chunked uploads, whatever the chunking.
+  413 exactly when the ledger's input charge (the default measured model's, from the body's
+  `budget.json_features`; the model's raw clamp first) exceeds the limit, and calls the upstream
+  otherwise — the same for ``Content-Length`` and chunked uploads, whatever the chunking.
 * Upstream SSE: the client-visible events and outcome of a generated stream do not depend on where
   the upstream's chunks were cut.
 * Tool results: a generated result is refused with 502 / exactly one SSE error frame exactly when
   its charge (32 x bytes + 256 x nodes, x 2 with store) no longer fits on top of what the request
-  holds; over ``tool_max_result_bytes`` it is an error output instead and never charged.
+  holds; over ``tool_max_result_bytes`` it is an error output instead and never charged (that
+  gateway runs the reference model, whose price these tests state).
 
 Each property shares one gateway per module and resets the mock between examples.
 """
@@ -27,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from budget import ChargeModel, count_json_nodes
+from budget import ChargeModel, count_json_nodes, json_features
 from tests.helpers import (
     DONE,
     FC,
@@ -43,7 +44,8 @@ from tests.mock_upstream import RST, E, MockUpstream, Reply
 from tests.servers import serve_asgi
 from tests.test_loop_e2e import LOG, TOOLS_DECL, build_server
 
-MODEL = ChargeModel()
+MODEL = ChargeModel.measured()  # the gateway's default, for create bodies
+TOOL_MODEL = ChargeModel.reference()  # the tool gateway's (``charge_model="reference"``)
 SERVER_LIMIT = 4 * 1048576  # the gateway's own max_retained_bytes in this module
 TOOL_CAP = 20_000  # tool_max_result_bytes of the tool gateway
 FUZZ = settings(
@@ -77,6 +79,7 @@ def mcp_url() -> Iterator[str]:
 def tool_gw(upstream: MockUpstream, mcp_url: str) -> Iterator[str]:
     with gateway(
         upstream,
+        charge_model="reference",
         max_retained_bytes=SERVER_LIMIT,
         mcp_server=(f"tools={mcp_url}",),
         tool_timeout=10.0,
@@ -185,9 +188,9 @@ def cuts_for(data: Any, size: int) -> list[int]:
 # -- 1. create bodies: 413 exactly at the input charge ---------------------------------------------
 def expected_input_outcome(raw: bytes, store: bool, limit: int) -> tuple[int, str | None]:
     """(413, code) or (0, None) for "served", per DESIGN.md §3 order and §4 charges."""
-    if len(raw) > limit // 32:
+    if len(raw) > MODEL.body_clamp(limit):
         return 413, "request_too_large"
-    charge = MODEL.input_charge(len(raw), count_json_nodes(raw), store)
+    charge = MODEL.measured_input(json_features(raw), store)
     if charge > limit:
         return 413, "max_retained_bytes_exceeded"
     return 0, None
@@ -248,8 +251,8 @@ def post_both_ways_served(
 @st.composite
 def limit_near(draw: st.DrawFn, raw: bytes, store: bool) -> int:
     """A header value near the body's charge or its clamp (exact boundaries included)."""
-    charge = MODEL.input_charge(len(raw), count_json_nodes(raw), store)
-    clamp_edge = 32 * len(raw)
+    charge = MODEL.measured_input(json_features(raw), store)
+    clamp_edge = -(-len(raw) * 3 // 2)  # the smallest limit whose clamp admits the body
     centre = draw(st.sampled_from([charge, clamp_edge, charge, SERVER_LIMIT]))
     delta = draw(st.one_of(st.integers(-3, 3), st.integers(-centre // 2, centre // 2)))
     return max(4096, min(268_435_456, centre + delta))
@@ -281,11 +284,11 @@ def test_store_false_bodies_are_charged_at_the_single_rate(
 def test_store_false_body_between_the_single_and_the_double_charge_is_served(
     client: httpx.Client, upstream: MockUpstream, gw: str
 ) -> None:
-    """The minimal reproduction of the property above: 100 KiB of text with "store": false at a
-    4 MiB limit costs 32 x 102,435 + 256 x 5 = 3,279,200 budget bytes (x 2 = 6,558,400 with store)."""
-    raw = json.dumps({"model": "m", "input": "a" * 102_400, "store": False}, separators=(",", ":")).encode()
-    assert MODEL.input_charge(len(raw), count_json_nodes(raw), False) <= SERVER_LIMIT
-    assert MODEL.input_charge(len(raw), count_json_nodes(raw), True) > SERVER_LIMIT
+    """The minimal reproduction of the property above: 640,000 characters of text with "store":
+    false fit a 4 MiB limit without the store's projection and would not with it."""
+    raw = json.dumps({"model": "m", "input": "a" * 640_000, "store": False}, separators=(",", ":")).encode()
+    assert MODEL.measured_input(json_features(raw), False) <= SERVER_LIMIT
+    assert MODEL.measured_input(json_features(raw), True) > SERVER_LIMIT
     reset(upstream)
     upstream.push(ok_reply())
     r = client.post(gw + "/v1/responses", content=raw, headers={"content-type": "application/json"})
@@ -458,7 +461,7 @@ def test_same_stream_in_one_chunk_or_three_has_the_same_outcome_at_every_limit(
     parts = [*PRE(), DONE(2, [message_item("hi")])]
     body = {"model": "m", "input": "x", "stream": True}
     seen = set()
-    for limit in range(16_000, 80_001, 2_000):
+    for limit in range(4_096, 30_001, 500):
         three = run_stream(client, upstream, gw, parts, body, limit)
         one = run_stream(client, upstream, gw, [b"".join(parts)], body, limit)
         assert (one[0], outcome_of(one[1])) == (three[0], outcome_of(three[1])), (limit, one[2][:300])
@@ -522,7 +525,7 @@ def held_besides_input(
             remaining, of = (int(g.replace(",", "")) for g in found.groups())
             assert of == limit
             held[(store, stream)] = (
-                limit - remaining - MODEL.input_charge(len(body), count_json_nodes(body), store)
+                limit - remaining - TOOL_MODEL.input_charge(len(body), count_json_nodes(body), store)
             )
             assert held[(store, stream)] >= 0
     return held
@@ -539,20 +542,23 @@ def test_tool_result_is_refused_exactly_at_the_ledger_boundary(
 ) -> None:
     store, stream = data.draw(st.booleans()), data.draw(st.booleans())
     body = tool_body(store, stream, data.draw(st.integers(0, 200)))
-    held = MODEL.input_charge(len(body), count_json_nodes(body), store) + held_besides_input[(store, stream)]
+    held = (
+        TOOL_MODEL.input_charge(len(body), count_json_nodes(body), store)
+        + held_besides_input[(store, stream)]
+    )
     # room for reading the first round's answer (a buffered body is charged whole while it is
     # parsed; a stream's chunks and frames need transient room) and some tool result
-    output_room = MODEL.output_charge(len(CALL_BODY), count_json_nodes(CALL_BODY), store)
+    output_room = TOOL_MODEL.output_charge(len(CALL_BODY), count_json_nodes(CALL_BODY), store)
     header = data.draw(st.integers(held + output_room + 65_536, SERVER_LIMIT))
     # a result size near the boundary, or anywhere up to past the per-call cap
-    boundary = (header - held) // (MODEL.tool_per_byte * (2 if store else 1))
+    boundary = (header - held) // (TOOL_MODEL.tool_per_byte * (2 if store else 1))
     size = data.draw(
         st.one_of(st.integers(max(0, boundary - 40), boundary + 40), st.integers(0, TOOL_CAP + 2000))
     )
     unit = data.draw(TOOL_TEXT)
     text = (unit * (size // len(unit.encode()) + 1)).encode()[:size].decode("utf-8", "ignore")
     raw = text.encode()
-    charge = MODEL.tool_result_charge(len(raw), count_json_nodes(raw), store)
+    charge = TOOL_MODEL.tool_result_charge(len(raw), count_json_nodes(raw), store)
 
     LOG.__init__()  # type: ignore[misc]
     LOG.big_result = text
@@ -617,9 +623,11 @@ def test_tool_result_exactly_at_the_limit_is_kept_one_byte_more_is_refused(
     """A result of ``n`` bytes of "r" (no nodes) costs exactly 64 x n with store on: with the limit
     set to what the request holds plus that, the result is kept; with one byte more it is refused."""
     body = tool_body(True, stream, 1)
-    held = MODEL.input_charge(len(body), count_json_nodes(body), True) + held_besides_input[(True, stream)]
+    held = (
+        TOOL_MODEL.input_charge(len(body), count_json_nodes(body), True) + held_besides_input[(True, stream)]
+    )
     n = 8000  # 512,000 budget bytes: more than reading the first round's answer needs
-    header = held + MODEL.tool_result_charge(n, 0, True)
+    header = held + TOOL_MODEL.tool_result_charge(n, 0, True)
     phases = []
     for size in (n, n + 1):
         LOG.__init__()  # type: ignore[misc]

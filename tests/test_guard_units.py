@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from budget import BudgetExceeded, Limits
+from budget import BudgetExceeded, ChargeModel, Limits
 from middleware.asgi.guard import BudgetMiddleware
 from middleware.errors import LoopLimitReached
 from middleware.loop.context import context_of
@@ -126,7 +126,8 @@ def test_a_body_over_the_clamp_is_refused_before_the_app_runs() -> None:
     async def app(ctx: Any) -> None:
         ran.append(ctx)
 
-    sent, _ = run(app, b"{" + b" " * (1 << 20) + b"}")
+    clamp = ChargeModel.measured().body_clamp(1 << 22)  # the default model's, at the 4 MiB limit
+    sent, _ = run(app, b"{" + b" " * (clamp - 1) + b"}")
     assert ran == [] and sent[0]["status"] == 413
     headers = dict(sent[0]["headers"])
     assert headers[b"connection"] == b"close" and headers[b"x-should-retry"] == b"false"

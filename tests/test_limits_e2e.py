@@ -2,6 +2,9 @@
 boundary, against a real uvicorn, the official SDK and a scripted upstream controlling exact bytes.
 
 Cases B09-B12, B17, B18, B21, B23 and B25 of ../shared/cases/CASES.md are named in the tests.
+They state the reference model's prices (DESIGN.md §4: 32 x bytes + 256 x nodes, the ``// 32``
+clamp), so their gateways run ``charge_model="reference"``; the last tests repeat the two
+boundaries under the default measured model.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from budget import ChargeModel, json_features
 from tests.helpers import (
     DONE,
     FC,
@@ -97,7 +101,7 @@ def test_ledger_boundary_exact_to_the_byte(upstream: MockUpstream) -> None:
     body = PREFIX + b"a" * (size - len(PREFIX) - len(SUFFIX)) + SUFFIX
     assert len(body) == size
     upstream.push(ok_reply())
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         m = MetricDelta()
         at_limit = post(url, body)
         assert len(upstream.requests) == 1
@@ -117,7 +121,7 @@ def test_raw_clamp_boundary(upstream: MockUpstream) -> None:
     """Exactly B // 32 bytes passes the clamp (and then fails the ledger); one more is request_too_large."""
     clamp = B // 32
     body = PREFIX + b"a" * (clamp - len(PREFIX) - len(SUFFIX)) + SUFFIX
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         at = post(url, body)
         over = post(url, body[:-2] + b'a"}')
     assert at.json()["error"]["code"] == "max_retained_bytes_exceeded"
@@ -131,14 +135,14 @@ def test_raw_clamp_boundary(upstream: MockUpstream) -> None:
 def test_b17_control_small_body_is_served(upstream: MockUpstream) -> None:
     upstream.push(ok_reply())
     body = PREFIX + b"a" * 2000 + SUFFIX
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, body)
     assert r.status_code == 200
     assert r.json()["output"][0]["content"][0]["text"] == "hi"
 
 
 def test_b17a_declared_50_mib_refused_from_the_header(upstream: MockUpstream) -> None:
-    with gateway(upstream) as (url, counter):
+    with gateway(upstream, charge_model="reference") as (url, counter):
         m = MetricDelta()
         head = b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 52428800\r\n\r\n"
         raw = raw_http(url, head, b'{"model":"m","input":"' + b"a" * 1000)
@@ -153,7 +157,7 @@ def test_b17a_declared_50_mib_refused_from_the_header(upstream: MockUpstream) ->
 
 
 def test_b17c_huge_content_length_answered_without_waiting_for_the_body(upstream: MockUpstream) -> None:
-    with gateway(upstream) as (url, counter):
+    with gateway(upstream, charge_model="reference") as (url, counter):
         started = time.monotonic()
         head = b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000000\r\n\r\n"
         raw = raw_http(url, head, b'{"model":"m","inpu', read_timeout=5)
@@ -167,7 +171,7 @@ def test_b17c_huge_content_length_answered_without_waiting_for_the_body(upstream
 
 def test_b17b_chunked_50_mib_stops_reading_at_the_clamp(upstream: MockUpstream) -> None:
     chunk = 64 * 1024
-    with gateway(upstream) as (url, counter):
+    with gateway(upstream, charge_model="reference") as (url, counter):
         m = MetricDelta()
 
         def body() -> Any:
@@ -190,7 +194,7 @@ def test_b17d_node_heavy_body_overflows_the_ledger(upstream: MockUpstream) -> No
     items = b",".join([b'{"role":"user","content":"a"}'] * 1000)
     body = b'{"model":"m","input":[' + items + b"]}"
     assert len(body) < B // 32
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         m = MetricDelta()
         r = post(url, body)
     assert r.status_code == 413
@@ -201,7 +205,7 @@ def test_b17d_node_heavy_body_overflows_the_ledger(upstream: MockUpstream) -> No
 
 def test_413_is_not_retried_by_the_sdk_with_default_retries(upstream: MockUpstream) -> None:
     with (
-        gateway(upstream) as (url, counter),
+        gateway(upstream, charge_model="reference") as (url, counter),
         sdk(url, max_retries=2) as client,
         pytest.raises(openai.APIStatusError) as info,
     ):
@@ -213,7 +217,7 @@ def test_413_is_not_retried_by_the_sdk_with_default_retries(upstream: MockUpstre
 def test_client_lowering_headers(upstream: MockUpstream) -> None:
     upstream.push(ok_reply())
     body = PREFIX + b"a" * 2000 + SUFFIX
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         lowered = post(url, body, **{"loopwarden-max-retained-bytes": "4096"})
         raised = post(url, body, **{"loopwarden-max-retained-bytes": "268435456"})
         bad = post(url, body, **{"loopwarden-max-retained-bytes": "lots"})
@@ -231,7 +235,7 @@ def test_client_lowering_headers(upstream: MockUpstream) -> None:
 
 def test_client_body_timeout_is_408(upstream: MockUpstream) -> None:
     """B25c: Content-Length 100, 40 bytes sent, then silence."""
-    with gateway(upstream, client_body_timeout=0.5) as (url, _):
+    with gateway(upstream, charge_model="reference", client_body_timeout=0.5) as (url, _):
         m = MetricDelta()
         head = b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n"
         started = time.monotonic()
@@ -247,7 +251,7 @@ def test_client_body_timeout_is_408(upstream: MockUpstream) -> None:
 
 
 def test_b25d_pipelined_extra_bytes_are_not_parsed_as_the_body(upstream: MockUpstream) -> None:
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         head = b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n"
         raw = raw_http(url, head, b'{"model":"m","input":"' + b"a" * 178 + b'"}', read_timeout=3)
     status, _, body = response_json(raw)
@@ -266,7 +270,7 @@ def test_b25d_pipelined_extra_bytes_are_not_parsed_as_the_body(upstream: MockUps
     ],
 )
 def test_b21_invalid_unicode_is_400(upstream: MockUpstream, body: bytes, param: str | None) -> None:
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, body)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_unicode"
@@ -279,7 +283,7 @@ def test_b21_invalid_unicode_is_400(upstream: MockUpstream, body: bytes, param: 
 
 def test_b21d_valid_surrogate_pair_reaches_upstream(upstream: MockUpstream) -> None:
     upstream.push(ok_reply())
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, b'{"model":"m","input":"ok \\ud83d\\ude00"}')
     assert r.status_code == 200
     assert upstream.requests[0].json()["input"] == "ok 😀"
@@ -299,7 +303,7 @@ def test_b21d_valid_surrogate_pair_reaches_upstream(upstream: MockUpstream) -> N
     ],
 )
 def test_b23_duplicate_keys_are_400(upstream: MockUpstream, body: bytes, key: str, path: str) -> None:
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, body)
     assert r.status_code == 400
     error = r.json()["error"]
@@ -326,7 +330,7 @@ def test_b23_duplicate_keys_are_400(upstream: MockUpstream, body: bytes, key: st
 def test_malformed_client_json_is_a_specific_400(
     upstream: MockUpstream, body: bytes, code: str, param: str | None
 ) -> None:
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == code
@@ -337,7 +341,7 @@ def test_malformed_client_json_is_a_specific_400(
 
 def test_too_large_and_malformed_is_413(upstream: MockUpstream) -> None:
     body = b'{"model":"m","input":"' + b"a" * (B // 32)
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, body)
     assert r.status_code == 413
 
@@ -349,7 +353,7 @@ def big_response(size: int) -> bytes:
 
 def test_b18a_declared_length_over_the_clamp_is_refused_without_reading(upstream: MockUpstream) -> None:
     upstream.push(Reply.json(big_response(5 * B)))
-    with counting_gateway(upstream) as (url, _, up):
+    with counting_gateway(upstream, charge_model="reference") as (url, _, up):
         m = MetricDelta()
         r = post(url, PREFIX + b"hi" + SUFFIX)
     assert r.status_code == 502
@@ -364,7 +368,7 @@ def test_b18b_chunked_body_trips_the_ledger_and_stops_reading(upstream: MockUpst
     body = big_response(5 * B)
     parts = [body[i : i + 16384] for i in range(0, len(body), 16384)]
     upstream.push(Reply(headers=[("content-type", "application/json")], parts=parts, framing="chunked"))
-    with counting_gateway(upstream) as (url, _, up):
+    with counting_gateway(upstream, charge_model="reference") as (url, _, up):
         m = MetricDelta()
         r = post(url, PREFIX + b"hi" + SUFFIX)
         deadline = time.monotonic() + 5
@@ -381,7 +385,7 @@ def test_b18c_declared_length_refused_before_the_body_is_sent(upstream: MockUpst
     upstream.push(
         Reply(headers=[("content-type", "application/json")], parts=[5.0, b"{}"], declared_length=5 * B)
     )
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         started = time.monotonic()
         r = post(url, PREFIX + b"hi" + SUFFIX)
         elapsed = time.monotonic() - started
@@ -392,7 +396,7 @@ def test_b18c_declared_length_refused_before_the_body_is_sent(upstream: MockUpst
 
 def test_b18_control_1kb_upstream_body(upstream: MockUpstream) -> None:
     upstream.push(Reply.json(big_response(1000)))
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, PREFIX + b"hi" + SUFFIX)
     assert r.status_code == 200
 
@@ -405,7 +409,7 @@ def test_b25a_short_body_then_reset_is_502_incomplete(upstream: MockUpstream) ->
             declared_length=4000,
         )
     )
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, PREFIX + b"hi" + SUFFIX)
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_incomplete"
@@ -422,7 +426,7 @@ def test_b25b_conflicting_upstream_framing_headers_still_work(upstream: MockUpst
         return Reply(headers=headers, parts=parts, framing="chunked")
 
     upstream.push(reply(), reply(), reply())
-    with gateway(upstream) as (url, _), sdk(url) as client:
+    with gateway(upstream, charge_model="reference") as (url, _), sdk(url) as client:
         events = list(client.responses.create(model="m", input="x", stream=True))
         assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
         assert len(upstream.requests) == 2
@@ -434,7 +438,7 @@ def test_b25b_conflicting_upstream_framing_headers_still_work(upstream: MockUpst
 
 def test_non_json_upstream_body_is_502_invalid(upstream: MockUpstream) -> None:
     upstream.push(Reply(headers=[("content-type", "application/json")], parts=[b"<html>oops</html>"]))
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, PREFIX + b"hi" + SUFFIX)
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_invalid_response"
@@ -447,7 +451,7 @@ def test_an_sse_body_without_its_content_type_is_invalid_not_a_cap_hit(upstream:
     sse = b"".join([*PRE(), *(text_delta(2 + i, "x" * 50) for i in range(40)), DONE(42, [message_item("x")])])
     upstream.push(Reply(headers=[], parts=[b"\r\n  " + sse], framing="chunked"))
     caps = MetricDelta()
-    with gateway(upstream, max_retained_bytes=262_144) as (url, _):
+    with gateway(upstream, charge_model="reference", max_retained_bytes=262_144) as (url, _):
         r = post(url, b'{"model":"m","input":"x","store":false}')
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_invalid_response"
@@ -498,7 +502,7 @@ def test_upstream_status_is_normalised(
     upstream.push(
         Reply.json(body, status=status) if isinstance(body, dict) else Reply(status=status, parts=[body])
     )
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, PREFIX + b"hi" + SUFFIX)
     assert r.status_code == want_status
     error = r.json()["error"]
@@ -509,7 +513,7 @@ def test_upstream_status_is_normalised(
 
 def test_upstream_idle_read_timeout_is_504(upstream: MockUpstream) -> None:
     upstream.push(Reply(headers=[("content-type", "application/json")], parts=[2.0, b"{}"]))
-    with gateway(upstream, upstream_read_timeout=0.5) as (url, _):
+    with gateway(upstream, charge_model="reference", upstream_read_timeout=0.5) as (url, _):
         m = MetricDelta()
         r = post(url, PREFIX + b"hi" + SUFFIX)
     assert r.status_code == 504
@@ -531,7 +535,7 @@ def reference_stream(nl: bytes = b"\n") -> list[bytes]:
 def stream_via_gateway(upstream: MockUpstream, parts: list[Any]) -> list[dict[str, Any]]:
     """The client-visible events, with the gateway-minted response id replaced by a constant."""
     upstream.push(Reply.sse(parts))
-    with gateway(upstream) as (url, _), sdk(url) as client:
+    with gateway(upstream, charge_model="reference") as (url, _), sdk(url) as client:
         events = [e.to_dict() for e in client.responses.create(model="m", input="x", stream=True)]
     for event in events:
         if isinstance(event.get("response"), dict):
@@ -569,7 +573,7 @@ def test_b09_b10_b11_framing_variants_give_identical_client_events(upstream: Moc
 
 def test_b10_gateway_frames_have_no_comment_data_or_ids(upstream: MockUpstream) -> None:
     upstream.push(Reply.sse([b": OPENROUTER PROCESSING\n\n", *reference_stream()]))
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}, timeout=10)
     assert b"data: :" not in r.content
     assert b"\nid:" not in r.content and b"retry:" not in r.content
@@ -580,7 +584,7 @@ def test_b12_in_band_error_is_one_frame_and_the_sdk_raises(upstream: MockUpstrea
     error = b'event: error\ndata: {"type":"error","sequence_number":3,"code":"server_error","message":"boom","param":null}\n\n'
     parts = [*PRE(), text_delta(2, "Hel"), error, text_delta(4, "lo"), DONE(5, [message_item("Hello")])]
     upstream.push(Reply.sse(parts))
-    with gateway(upstream) as (url, _), sdk(url) as client:
+    with gateway(upstream, charge_model="reference") as (url, _), sdk(url) as client:
         m = MetricDelta()
         seen = []
         with pytest.raises(openai.APIError) as info:
@@ -597,7 +601,7 @@ def test_b12_raw_frames_after_the_error_are_dropped(upstream: MockUpstream) -> N
         b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
     )
     upstream.push(Reply.sse([*PRE(), text_delta(2, "Hel"), error, text_delta(4, "lo"), DONE(5, [])]))
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}, timeout=10)
     events = sse_events(r.content)
     assert [name for name, _ in events] == [
@@ -624,7 +628,7 @@ def test_b12_raw_frames_after_the_error_are_dropped(upstream: MockUpstream) -> N
 def test_b12_non_stream_in_band_error_is_502_with_the_code(upstream: MockUpstream) -> None:
     error = b'event: error\ndata: {"type":"error","sequence_number":3,"code":"server_error","message":"boom","param":null}\n\n'
     upstream.push(Reply.sse([*PRE(), error]))
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, PREFIX + b"hi" + SUFFIX)
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "server_error"
@@ -633,7 +637,11 @@ def test_b12_non_stream_in_band_error_is_502_with_the_code(upstream: MockUpstrea
 
 def test_stream_without_terminal_event_is_one_error_frame(upstream: MockUpstream) -> None:
     upstream.push(Reply.sse([*PRE(), text_delta(2, "Hel"), RST]))
-    with gateway(upstream) as (url, _), sdk(url) as client, pytest.raises(openai.APIError) as info:
+    with (
+        gateway(upstream, charge_model="reference") as (url, _),
+        sdk(url) as client,
+        pytest.raises(openai.APIError) as info,
+    ):
         list(client.responses.create(model="m", input="x", stream=True))
     assert "upstream" in info.value.message
 
@@ -641,7 +649,7 @@ def test_stream_without_terminal_event_is_one_error_frame(upstream: MockUpstream
 def test_mid_stream_ledger_overflow_is_exactly_one_error_frame(upstream: MockUpstream) -> None:
     """store on: delta text is kept at 64 × its bytes, so ~16 KiB of text overflows 1 MiB."""
     upstream.push(Reply.sse(text_stream(400, "x" * 100)))
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         m = MetricDelta()
         r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}, timeout=10)
     events = sse_events(r.content)
@@ -657,7 +665,10 @@ def test_mid_stream_ledger_overflow_is_exactly_one_error_frame(upstream: MockUps
 def test_200kb_answer_as_10000_deltas_passes_at_the_default_limit(upstream: MockUpstream) -> None:
     """The budget counts what is kept, not every envelope (agentic-api #288)."""
     upstream.push(Reply.sse([b"".join(text_stream(10_000, "y" * 20))]))
-    with gateway(upstream, max_retained_bytes=67_108_864) as (url, _), sdk(url) as client:
+    with (
+        gateway(upstream, charge_model="reference", max_retained_bytes=67_108_864) as (url, _),
+        sdk(url) as client,
+    ):
         events = list(client.responses.create(model="m", input="x", stream=True, store=True))
     assert events[-1].type == "response.completed"
     assert len(events) == 10_005
@@ -666,7 +677,7 @@ def test_200kb_answer_as_10000_deltas_passes_at_the_default_limit(upstream: Mock
 
 def test_keepalive_comments_while_waiting_after_commit(upstream: MockUpstream) -> None:
     upstream.push(Reply.sse([*PRE(), 1.2, DONE(2, [message_item("late")])]))
-    with gateway(upstream, keepalive_interval=0.3) as (url, _):
+    with gateway(upstream, charge_model="reference", keepalive_interval=0.3) as (url, _):
         r = httpx.post(url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}, timeout=10)
     assert r.content.count(b": keep-alive\n\n") >= 2
     assert [n for n, _ in sse_events(r.content)] == [
@@ -678,7 +689,7 @@ def test_keepalive_comments_while_waiting_after_commit(upstream: MockUpstream) -
 
 def test_keepalive_does_not_upset_the_sdk(upstream: MockUpstream) -> None:
     upstream.push(Reply.sse([*PRE(), 0.8, DONE(2, [message_item("late")])]))
-    with gateway(upstream, keepalive_interval=0.2) as (url, _), sdk(url) as client:
+    with gateway(upstream, charge_model="reference", keepalive_interval=0.2) as (url, _), sdk(url) as client:
         events = list(client.responses.create(model="m", input="x", stream=True))
     assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
 
@@ -688,7 +699,7 @@ def test_client_disconnect_closes_the_upstream_within_a_second(upstream: MockUps
     for i in range(300):
         parts += [0.1, text_delta(2 + i, "z")]
     upstream.push(Reply.sse(parts))
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         m = MetricDelta()
         with httpx.stream(
             "POST", url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}, timeout=10
@@ -720,7 +731,7 @@ def test_concurrent_requests_keep_separate_ledgers(upstream: MockUpstream) -> No
     n = 8
     upstream.push(*[ok_reply(f"r{i}") for i in range(n)])
     results: list[int] = []
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         threads = [
             threading.Thread(
                 target=lambda: results.append(post(url, PREFIX + b"x" * 5000 + SUFFIX).status_code)
@@ -737,14 +748,14 @@ def test_concurrent_requests_keep_separate_ledgers(upstream: MockUpstream) -> No
 def test_function_call_output_of_a_stream_reaches_the_client_unchanged(upstream: MockUpstream) -> None:
     call = FC("call_1", "get_time", "{}")
     upstream.push(Reply.sse([*PRE(), DONE(2, [call])]))
-    with gateway(upstream) as (url, _), sdk(url) as client:
+    with gateway(upstream, charge_model="reference") as (url, _), sdk(url) as client:
         events = list(client.responses.create(model="m", input="x", stream=True))
     assert events[-1].response.output[0].to_dict() == call
 
 
 def test_api_keys_gate_every_create_request(upstream: MockUpstream) -> None:
     upstream.push(ok_reply())
-    with gateway(upstream, api_key=("k-one", "k-two")) as (url, counter):
+    with gateway(upstream, charge_model="reference", api_key=("k-one", "k-two")) as (url, counter):
         missing = post(url, PREFIX + b"hi" + SUFFIX)
         wrong = post(url, PREFIX + b"hi" + SUFFIX, authorization="Bearer nope")
         right = post(url, PREFIX + b"hi" + SUFFIX, authorization="Bearer k-two")
@@ -757,7 +768,7 @@ def test_api_keys_gate_every_create_request(upstream: MockUpstream) -> None:
 
 
 def test_errors_caused_by_a_lowering_header_say_so(upstream: MockUpstream) -> None:
-    with gateway(upstream) as (url, _):
+    with gateway(upstream, charge_model="reference") as (url, _):
         r = post(url, PREFIX + b"a" * 200 + SUFFIX, **{"loopwarden-max-retained-bytes": "16384"})
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "max_retained_bytes_exceeded"
@@ -765,3 +776,46 @@ def test_errors_caused_by_a_lowering_header_say_so(upstream: MockUpstream) -> No
         "lowered max_retained_bytes with its loopwarden-max-retained-bytes header"
         in r.json()["error"]["message"]
     )
+
+
+# -- the same boundaries under the default (measured) charge model --------------------------------
+def _text_body(n: int) -> bytes:
+    return PREFIX + b"a" * n + SUFFIX
+
+
+def test_measured_ledger_boundary_exact_to_the_byte(upstream: MockUpstream) -> None:
+    """The default model: the largest body whose measured input charge (store on) fits B is
+    admitted and reaches the upstream; one more byte of text is 413 and never does."""
+    model = ChargeModel.measured()
+
+    def fits(n: int) -> bool:
+        return model.measured_input(json_features(_text_body(n)), store=True) <= B
+
+    lo, hi = 0, B
+    while lo < hi:  # the charge grows with the text: the largest n that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    assert fits(lo) and not fits(lo + 1)
+    upstream.push(ok_reply())
+    with gateway(upstream) as (url, _):
+        at_limit = post(url, _text_body(lo))
+        assert len(upstream.requests) == 1
+        over = post(url, _text_body(lo + 1))
+    assert at_limit.status_code in (200, 502), at_limit.text
+    assert over.status_code == 413 and over.json()["error"]["code"] == "max_retained_bytes_exceeded"
+    assert len(upstream.requests) == 1
+
+
+def test_measured_raw_clamp_boundary(upstream: MockUpstream) -> None:
+    """The default model's clamp is B x 2/3: exactly that many bytes are read (and then overflow
+    the ledger); one more is request_too_large before the upstream is ever called."""
+    clamp = ChargeModel.measured().body_clamp(B)
+    assert clamp == B * 2 // 3
+    body = _text_body(clamp - len(PREFIX) - len(SUFFIX))
+    with gateway(upstream) as (url, _):
+        at = post(url, body)
+        over = post(url, body[:-2] + b'a"}')
+    assert at.json()["error"]["code"] == "max_retained_bytes_exceeded"
+    assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
+    assert "measured charge model" in over.json()["error"]["message"]
+    assert upstream.requests == []

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import ChargeModel
 from middleware.app import create_app
 from middleware.asgi.auth import owner_of_key
 from middleware.config import Settings
@@ -78,7 +79,8 @@ def wait_metric_zero(name: str, within: float = 3.0) -> float:
 def test_pool_admits_two_400k_reservations_and_refuses_the_third_before_reading_it(
     upstream: MockUpstream,
 ) -> None:
-    """Pool 1 MiB, reservations 400 KiB (Content-Length 6400 x 64 budget bytes per byte); one
+    """Pool 1 MiB, reservations 400 KiB (Content-Length 51,200 x the measured model's 8 budget
+    bytes per byte, `ChargeModel.reserve_per_byte`); one
     caller may hold the whole pool here (the per-caller share is tests/test_caller_share.py)."""
     gates = [threading.Event(), threading.Event()]
     upstream.push(
@@ -90,7 +92,8 @@ def test_pool_admits_two_400k_reservations_and_refuses_the_third_before_reading_
             for g in gates
         ]
     )
-    body = body_of(6400)
+    body = body_of(51_200)
+    assert 51_200 * ChargeModel.measured().reserve_per_byte() == 400 * 1024
     with gateway(
         upstream, max_inflight_retained_bytes=1_048_576, max_inflight_share_per_caller=1.0, retry_after=2.0
     ) as (url, counter):
@@ -107,7 +110,7 @@ def test_pool_admits_two_400k_reservations_and_refuses_the_third_before_reading_
         assert len(upstream.requests) == 2
         assert metric("loopwarden_admission_reserved_bytes") >= 2 * 400 * 1024
         read_before = counter.body_bytes
-        head = b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 6400\r\n\r\n"
+        head = b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 51200\r\n\r\n"
         status, headers, refused = response_json(raw_http(url, head, body[:100]))
         read_by_third = counter.body_bytes - read_before
         for gate in gates:
@@ -515,7 +518,7 @@ def test_two_models_routed_to_two_upstreams_with_their_own_limits() -> None:
             m = MetricDelta()
             ra = httpx.post(
                 url + "/v1/responses",
-                json={"model": "alpha", "input": "x" * 20_000, "store": False},
+                json={"model": "alpha", "input": "x" * 60_000, "store": False},
                 timeout=10,
             )
             rb_small = httpx.post(
@@ -523,7 +526,7 @@ def test_two_models_routed_to_two_upstreams_with_their_own_limits() -> None:
             )
             rb_big = httpx.post(
                 url + "/v1/responses",
-                json={"model": "beta-2", "input": "x" * 20_000, "store": False},
+                json={"model": "beta-2", "input": "x" * 60_000, "store": False},
                 timeout=10,
             )
             unknown = httpx.post(url + "/v1/responses", json={"model": "gamma", "input": "hi"}, timeout=10)

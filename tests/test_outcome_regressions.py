@@ -78,7 +78,7 @@ def test_pool_exhausted_after_the_response_exists_is_stored_failed(
         upstream,
         store=f"sqlite:///{db}",
         max_retained_bytes=64 * B,
-        max_inflight_retained_bytes=4 * B,
+        max_inflight_retained_bytes=B,  # the measured model charges a 200 KB answer about 1 MiB
         max_inflight_share_per_caller=1.0,  # the pool refuses, not one caller's share
     ) as (url, _):
         r = post(url, {"model": "m", "input": "x", "stream": stream})

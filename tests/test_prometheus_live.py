@@ -127,11 +127,11 @@ def _workload(url: str, upstream: MockUpstream) -> None:
             )
         )
         assert post(plain).status_code == 200
-    assert post({"model": "m", "input": "a" * 40_000}).status_code == 413  # request_body
-    items = [{"role": "user", "content": "a"}] * 1000
+    assert post({"model": "m", "input": "a" * 800_000}).status_code == 413  # request_body (2/3 MiB)
+    items = [{"role": "user", "content": "a"}] * 5000
     assert post({"model": "m", "input": items}).status_code == 413  # max_retained_bytes
-    upstream.push(Reply.json(response_obj([message_item("x" * 200_000)])))
-    assert post(plain).status_code == 502  # upstream_body
+    upstream.push(Reply.json(response_obj([message_item("x" * 500_000)])))
+    assert post(plain).status_code == 502  # upstream_body (2/5 MiB)
     upstream.push(*[Reply.json(response_obj([FC(f"c{i}", "lookup", "{}")])) for i in range(2)])
     assert post({**plain, "tools": [TOOLS_DECL]}).status_code == 508
     upstream.push(Reply.json(response_obj([FC("a", "lookup", "{}"), FC("b", "lookup", "{}")])))
@@ -145,7 +145,7 @@ def _workload(url: str, upstream: MockUpstream) -> None:
             [
                 b'event: response.created\ndata: {"type":"response.created","response":{"id":"r","status":"in_progress","output":[]}}\n\n',
                 b'data: {"type":"response.output_text.delta","delta":"'
-                + b"y" * 30_000
+                + b"y" * 300_000
                 + b'","output_index":0}\n\n',
             ]
         )

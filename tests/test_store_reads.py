@@ -5,7 +5,7 @@ the sizes stored at write time before a row is fetched or decoded; pages are bou
 The routes run on a real uvicorn against SQLite (a file) and a real PostgreSQL (tests/pg.py; a
 missing server is a failure), except the six concurrent 1 MB reads, which run the whole gateway
 (`create_app`, SQLite) and watch its ``/metrics``. Expected page lengths and charges are computed
-from the charge model the gateway uses (`Ledger`'s default), so they stay exact when its prices
+from the charge model the gateway uses (the measured default), so they stay exact when its prices
 change.
 """
 
@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Message, Receive, Scope, Send
 
 import middleware.store.store as store_module
-from budget import BudgetExceeded, Ledger, Limits, count_json_nodes
+from budget import BudgetExceeded, ChargeModel, Ledger, Limits, count_json_nodes
 from middleware.app import create_app
 from middleware.config import Settings
 from middleware.ids import new_id
@@ -47,7 +47,7 @@ from tests.test_store_routes import Harness, assert_envelope, http, response_obj
 
 MiB = 1 << 20
 #: The model the gateway charges with (a `Ledger` given none): reads and creates alike.
-MODEL = Ledger(0).model
+MODEL = ChargeModel.measured()  # the default (`--charge-model measured`), what create_app passes
 OWNER = "alice-key"
 
 
@@ -127,7 +127,7 @@ def serve(
     ``pool_bytes``; yields (base URL, harness, pool). On exit every read has left the pool."""
     pool = ProcessPool(pool_bytes)
     reads = StoreReads(
-        limits=Limits(max_retained_bytes=max_retained_bytes), pool=pool, retry_after=retry_after
+        limits=Limits(max_retained_bytes=max_retained_bytes), pool=pool, retry_after=retry_after, model=MODEL
     )
     harness = Harness(store_url, store_reads=reads)
     with serve_asgi(harness) as url:
@@ -364,7 +364,9 @@ def test_a_read_is_503_while_the_pool_is_full_and_413_when_one_item_exceeds_the_
         assert (ids(short), short["has_more"]) == (["msg_000"], True)  # the pool is short: a shorter page
 
         async def fill() -> Any:
-            return pool.admit(pool.budget - PAGE - charge + 1)  # another request holds the rest
+            return pool.admit(
+                pool.budget - PAGE - charge + 1, caller="other"
+            )  # another request holds the rest
 
         held = harness.call(fill())
         full = http(url, "GET", path)
@@ -448,6 +450,7 @@ def test_six_concurrent_100_item_reads_of_1mb_items_are_served_within_the_pool_o
         store=f"sqlite:///{tmp_path}/lw.db",
         max_retained_bytes=limit,
         max_inflight_retained_bytes=3 * page_charge,
+        max_inflight_share_per_caller=1.0,  # the pool bound, not one caller's share (tests/test_caller_share.py)
         retry_after=2.0,
     )
     gate = HoldReads(create_app(settings))

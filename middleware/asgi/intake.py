@@ -150,8 +150,11 @@ class Intake:
         # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
         # the store doubles it (the persisted projection) is known only after parsing, so the
         # doubled charge replaces the single one then — exact for both, and sound throughout.
+        try:
+            features = counter.features() if permissive.parse is not None else None  # flushes it
+        except JsonTooDeep as exc:
+            raise InvalidRequest(str(exc), code="json_too_deep") from None
         nodes = counter.nodes
-        features = counter.features() if permissive.parse is not None else None
         ledger = self._admit_body(limits, raw, nodes, features, permissive, store=False)
         try:
             request = loads_strict(raw)

@@ -496,7 +496,13 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
             nodes = total
             parts.append(chunk)
         if model.parse is not None:  # the parse and its copies, once the body is complete
-            charge += ledger.admit_output_parse(counter.features())
+            try:
+                features = counter.features()
+            except JsonTooDeep:
+                raise UpstreamInvalid(
+                    f"upstream JSON nests deeper than {MAX_UPSTREAM_DEPTH} levels"
+                ) from None
+            charge += ledger.admit_output_parse(features)
     except BaseException:
         ledger.release(charge)
         raise
