@@ -142,7 +142,9 @@ class ParsePrices:
         before joining, a list slot each (a token and a separator per node) and a new `str` per
         string or number token (``dump_token``)."""
         fragments = min(2 * f.nodes + 2, ACCUMULATED_FRAGMENTS)
-        tokens = min(f.strings + f.numbers, ACCUMULATED_FRAGMENTS)
+        # a token fragment is followed by a separator (``,`` or ``:``) or a closing bracket, so at
+        # most half the held fragments (plus one per container) are tokens
+        tokens = min(f.strings + f.numbers, ACCUMULATED_FRAGMENTS // 2 + f.objects + f.arrays)
         return 3 * f.serialized_bound + 8 * fragments + self.dump_token * tokens
 
     def request_peak(self, f: JsonFeatures) -> int:

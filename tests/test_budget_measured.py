@@ -257,3 +257,14 @@ def test_clamps_follow_the_model() -> None:
     assert m.upstream_clamp(limit) == limit * 2 // 5
     # the clamp is the largest body the model could ever admit: its floor at the clamp fits
     assert m.input_floor(m.body_clamp(limit)) <= limit < m.input_floor(m.body_clamp(limit) + 2)
+
+
+@pytest.mark.parametrize("shape", ["small_ints", "one_char_strings", "wide_object", "empty_objects"])
+def test_sound_and_tight_past_the_encoders_fragment_cap(shape: str) -> None:
+    # 1 MiB of tokens: more than the 100,000 fragments CPython's encoder holds before joining
+    payload = SHAPES[shape](1 << 20)
+    assert json_features(payload).nodes > 100_000
+    for store in (False, True):
+        peak = pipeline_peak(payload, "input", store, repeat=1)
+        charge = measured_charge(payload, "input", store)
+        assert peak <= charge <= 2 * peak, (shape, store, charge, peak)
