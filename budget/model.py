@@ -312,11 +312,10 @@ class ChargeModel:
 
     def measured_terminal(self, f: JsonFeatures, store: bool) -> int:
         """Encoding the final response (measured), from the features of its encoding: the
-        encoder's peak (`ParsePrices.dump_peak`), with store + the projection (`str` and
-        `bytes`); × the margin."""
+        encoder's peak (`ParsePrices.dump_peak`), × the margin. ``store`` adds nothing: the
+        persisted projection of the output is already in the accumulated charges (× store)."""
         p = self._parse()
-        projection = 2 * f.serialized_bound if store else 0
-        return p.margin(p.dump_peak(f) + projection)
+        return p.margin(p.dump_peak(f))
 
     def measured_tool_result(self, raw: bytes, store: bool) -> int:
         """A gateway tool result's text (measured): its bytes, its `str`, its encoding as a JSON
