@@ -19,7 +19,8 @@ One job per module:
 * `execute` — `run_tool_calls` (window, timeout, cap, charge, retry) and `refuse_tool_call`.
 * `endpoints` — ingress policy: `McpServerConfig`, `Endpoint`, `normalize_url`, `UrlAllowlist`,
   `validate_headers`.
-* `session` — `open_session`, the HTTP transport under a session, `SessionHealth`, `call_not_run`.
+* `session` — `open_session`, the HTTP transport under a session (it never follows a redirect),
+  `SessionHealth`, `call_not_run`.
 * `pool` — `SessionPool` and its `Lease`, `PoolLimits`, `PoolStats`.
 * `text` — lone-surrogate scrubbing, MCP results as text, exception summaries.
 

@@ -7,6 +7,8 @@ whole session down, and records what it learnt about the session in `SessionHeal
 server's exit is recorded there too. `call_not_run` and `session_failed` read such an error back:
 was the request proven never to have run (safe to send again)? may the session be broken?
 
+No redirect is ever followed (the SDK follows same-origin ones itself, and another path on the
+same host may be outside the allowlist): a 3xx fails the request it answers, naming the status.
 Answers are bounded (`DEFAULT_MAX_MESSAGE_BYTES` per MCP message; `MessageTooLarge`, marked with
 `ANSWER_TOO_LARGE`), compressed answers are refused, and lone surrogate escapes are rewritten
 before the SDK parses them (`middleware.tools.text.SurrogateEscapeFixer`). A request sent inside
@@ -272,6 +274,8 @@ class _GatewayTransport(httpx2.AsyncBaseTransport):
       for that one request (`_failure_response`), and `health` records the failure.
     * A 404 to a request carrying an ``Mcp-Session-Id`` marks the session expired; a POST gets the
       not-run error (`call_not_run`).
+    * A redirect (any 3xx) is never followed, by the SDK or anyone (`_refuse_redirect`): a POST's
+      becomes a JSON-RPC error naming the status, and the session is marked failed.
     * A DELETE (ending the session) is bounded to `close_timeout` seconds.
     """
 
@@ -299,6 +303,8 @@ class _GatewayTransport(httpx2.AsyncBaseTransport):
                 else f"the connection to the MCP server failed ({type(exc).__name__}) with the request in flight"
             )
             return _failure_response(request, message, not_run=not_sent)
+        if 300 <= response.status_code < 400:
+            return await self._refuse_redirect(request, response)
         if response.status_code == 404 and "mcp-session-id" in request.headers and request.method != "DELETE":
             body = await _small_json_body(response)
             answer = body.get("error") if body is not None else None
@@ -347,6 +353,28 @@ class _GatewayTransport(httpx2.AsyncBaseTransport):
                 _METER.get(),
             ),
             extensions=response.extensions,
+        )
+
+    async def _refuse_redirect(self, request: httpx2.Request, response: httpx2.Response) -> httpx2.Response:
+        """What the client sees instead of a 3xx `response`: never a redirect it could follow.
+
+        The SDK follows a redirect within the endpoint's origin itself (whatever the client's
+        ``follow_redirects``), and another path on the same host may be outside the allowlist;
+        so the 3xx is closed unread here. A POST gets a JSON-RPC error for its one request (the
+        server saw the request, so it may have run: never retried); a GET (the standalone stream)
+        or a DELETE gets a bare 502. The message names the status only, never the ``Location``.
+        """
+        await response.aclose()
+        status = response.status_code
+        if request.method != "POST":
+            return httpx2.Response(502, request=request)
+        if self._health.established:
+            self._health.fail(f"the server answered a request with HTTP {status} (a redirect)")
+        return _failure_response(
+            request,
+            f"the MCP server answered HTTP {status} (a redirect); redirects are not followed: "
+            "use the URL the server answers at itself",
+            not_run=False,
         )
 
     async def aclose(self) -> None:
@@ -471,6 +499,7 @@ async def open_session(
             headers={"accept-encoding": "identity", **dict(endpoint.headers)},
             timeout=timeout,
             transport=transport,
+            follow_redirects=False,  # the default, said out loud; the transport refuses 3xx anyway
         ) as http:
             streams = streamable_http_client(
                 endpoint.url, http_client=http, max_sse_event_size=max_message_bytes
