@@ -5,13 +5,15 @@ One loopback "site" serves two real MCP servers: the allowed one at ``/mcp``, be
 an "admin" one at ``/admin/mcp`` whose every HTTP request is counted. Whatever the redirect
 (301, 302, 307, 308; of the ``tools/list``, the ``tools/call`` or the GET stream), the admin server
 must see zero requests: a redirected ``tools/list`` is a 502 ``mcp_server_unavailable``, a
-redirected ``tools/call`` an error output fed back to the model.
+redirected ``tools/call`` an error output fed back to the model. A ``server_url`` with encoded
+traversal is refused (400 ``mcp_server_not_allowed``) before any connection is made.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -271,3 +273,36 @@ def test_a_redirected_get_stream_is_never_followed(upstream: MockUpstream, site:
     assert s.redirector.gets >= 1
     assert s.admin.requests == 0
     assert s.probe.names() == ["lookup"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/mcp/..%2Fadmin/mcp",
+        "/mcp/..;/admin/mcp",
+        "/mcp/%2e%2e/admin/mcp",
+        "/mcp/..%5Cadmin/mcp",
+        "/mcp/%252e%252e/admin/mcp",
+    ],
+)
+def test_a_refused_server_url_opens_no_connection(upstream: MockUpstream, path: str) -> None:
+    """The allowlist refuses before any request: the listening socket never sees a connection."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        listener.setblocking(False)
+        base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        tool = {**declared(base), "server_url": base + path}
+        with gateway(upstream, mcp_allow=(f"{base}/mcp",), upstream_connect_timeout=0.5) as (url, _):
+            r = post(url, {"model": "m", "input": "x", "tools": [tool]})
+        try:
+            connection, _ = listener.accept()
+        except BlockingIOError:
+            connected = False
+        else:
+            connection.close()
+            connected = True
+    assert not connected, f"the gateway connected to the refused {path}"
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "mcp_server_not_allowed"
+    assert upstream.requests == []

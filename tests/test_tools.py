@@ -336,12 +336,11 @@ ALLOW = ["http://good.example", "https://api.example.com/mcp/", "http://10.0.0.1
         "https://api.example.com/mcp",
         "https://api.example.com:443/mcp/v1",
         "https://api.example.com/%6Dcp/v1",  # %6D is "m"
-        "https://api.example.com/other/../mcp/x",
         "http://10.0.0.1:8080/tools/a",
     ],
 )
 def test_allowlist_accepts(url: str) -> None:
-    assert UrlAllowlist(ALLOW).allows(normalize_url(url))
+    assert UrlAllowlist(ALLOW).allows(url) and UrlAllowlist(ALLOW).allows(normalize_url(url))
 
 
 @pytest.mark.parametrize(
@@ -352,8 +351,9 @@ def test_allowlist_accepts(url: str) -> None:
         "https://good.example/",  # other scheme
         "http://good.example:8080/",  # other port
         "https://api.example.com/mcpx",  # path prefix at a segment boundary only
-        "https://api.example.com/mcp/../admin",  # dot segments resolved before matching
+        "https://api.example.com/mcp/../admin",  # dot segments are refused (issue 17)
         "https://api.example.com/mcp/%2e%2e/admin",  # escaped dots too
+        "https://api.example.com/other/../mcp/x",  # even when they would resolve inside the prefix
         "https://api.example.com/",
         "http://10.0.0.1:8081/tools",
         "http://10.0.0.10:8080/tools",
@@ -361,7 +361,7 @@ def test_allowlist_accepts(url: str) -> None:
 )
 def test_allowlist_refuses_with_400_mcp_server_not_allowed(url: str) -> None:
     catalog = ToolCatalog([], allow_prefixes=ALLOW)
-    assert not UrlAllowlist(ALLOW).allows(normalize_url(url))
+    assert not UrlAllowlist(ALLOW).allows(url)
     with pytest.raises(InvalidRequest) as excinfo:
         run(catalog.resolve([{"type": "mcp", "server_label": "mine", "server_url": url}]))
     assert refused(excinfo) == (InvalidRequest, "mcp_server_not_allowed", "tools")

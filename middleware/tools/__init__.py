@@ -17,8 +17,8 @@ One job per module:
 * `resolved` — `ResolvedTools` and `GatewayTool`: what one request's tools resolved to.
 * `policy` — the ``allowed_tools`` and ``require_approval`` filters.
 * `execute` — `run_tool_calls` (window, timeout, cap, charge, retry) and `refuse_tool_call`.
-* `endpoints` — ingress policy: `McpServerConfig`, `Endpoint`, `normalize_url`, `UrlAllowlist`,
-  `validate_headers`.
+* `endpoints` — ingress policy: `McpServerConfig`, `Endpoint`, `normalize_url`, `path_refusal`,
+  `UrlAllowlist`, `validate_headers`.
 * `session` — `open_session`, the HTTP transport under a session (it never follows a redirect),
   `SessionHealth`, `call_not_run`.
 * `pool` — `SessionPool` and its `Lease`, `PoolLimits`, `PoolStats`.

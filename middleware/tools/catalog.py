@@ -48,6 +48,11 @@ malformed field (label, url, …)     ``InvalidRequest``        ``invalid_value`
 ``tools/list`` fails or times out   ``McpServerUnavailable``  ``mcp_server_unavailable``  502
 ==================================  ========================  ==========================  ======
 
+A ``server_url`` whose path could be read as another path (``..%2F``, ``..;``, ``%2e%2e``, double
+encoding, …: `middleware.tools.endpoints.path_refusal`) is "not on the allowlist" too, whatever the
+prefixes; either way no request is sent to it. A server that answers a redirect is never followed
+there (`middleware.tools.session`): a redirected ``tools/list`` is ``mcp_server_unavailable``.
+
 All carry ``param="tools"``. An ``InvalidRequest`` message starts with the entry at fault
 (``tools[i]: …``); ``McpServerUnavailable`` names the server's label and its ``code`` is left to
 its row.
@@ -414,13 +419,11 @@ class ToolCatalog:
             normal = normalize_url(url)
         except ValueError as exc:
             raise _bad(index, f"server_url is invalid: {exc}") from None
-        if not self._allowlist.allows(normal):
-            raise _bad(
-                index,
-                f"server_url {redact_url(normal)} is not on this gateway's MCP allowlist (--mcp-allow); "
-                "ask the operator to allow it, or use an operator-configured server_label",
-                code="mcp_server_not_allowed",
-            )
+        refusal = self._allowlist.refusal(url)
+        if refusal is not None:
+            # The URL as given (no credentials: normalize_url refused those; query hidden): its
+            # normal form may already have resolved the very dot segments that are refused.
+            raise _bad(index, f"server_url {redact_url(url)} {refusal}", code="mcp_server_not_allowed")
         try:
             headers = validate_headers(tool.get("headers") or {}, client=True)
         except ValueError as exc:

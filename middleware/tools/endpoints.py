@@ -5,9 +5,11 @@ header value or a URL's query (`middleware.tools.catalog` turns it into an ``Inv
 naming the request's ``tools[i]``).
 
 * `validate_label` — the ``server_label`` rule (it keeps ``LABEL__name`` a valid function name).
-* `normalize_url` / `UrlAllowlist` — the ``--mcp-allow`` check for client-declared ``server_url``s.
-  URLs are compared *after* normalisation, and the normalised URL is the one connected to, so what
-  was checked is what is called.
+* `normalize_url` / `path_refusal` / `UrlAllowlist` — the ``--mcp-allow`` check for
+  client-declared ``server_url``s. A path that could be read as another path (encoded slashes or
+  dots, ``..``, ``;`` parameters, backslashes, double encoding, control characters) is refused
+  outright; the rest are compared *after* normalisation and percent-decoding, and the normalised
+  URL is the one connected to, so what was checked is what is called.
 * `validate_headers` — header names and values sent to a server; a client-declared server may not
   set the transport-owned or hop-by-hop ones (``Host``, ``Content-Length``, ``Mcp-Session-Id``, …).
 * `McpServerConfig` — an operator-configured server (streamable HTTP URL, stdio command, or an
@@ -26,7 +28,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
-from urllib.parse import urlsplit
+from urllib.parse import unquote_to_bytes, urlsplit
 
 from mcp.server.mcpserver import MCPServer
 
@@ -37,6 +39,7 @@ __all__ = [
     "McpServerConfig",
     "UrlAllowlist",
     "normalize_url",
+    "path_refusal",
     "validate_headers",
     "validate_label",
 ]
@@ -49,6 +52,8 @@ _HOST_RE: Final = re.compile(r"[a-z0-9.-]+|[0-9a-f:.]+")
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 _UNRESERVED: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _PERCENT_RE: Final = re.compile(r"%([0-9A-Fa-f]{2})")
+_BAD_PERCENT_RE: Final = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_ENCODED_SLASH_RE: Final = re.compile(r"%2[Ff]")
 # Header names a client-declared server may not set: transport framing and hop-by-hop fields
 # (RFC 9110 §7.6.1), ``Host`` (virtual-host confusion behind an allowlisted front: the gateway
 # must not become a proxy to other sites on the same address) and the MCP transport's own headers.
@@ -147,15 +152,71 @@ def normalize_url(url: object) -> str:
     return f"{scheme}://{netloc}{path}{query}"
 
 
+def path_refusal(url: str) -> str | None:
+    """Why the path of `url` (as given, before `normalize_url`) could be read as another path, or
+    None when it cannot. The reason is a phrase completing "its path …".
+
+    A server, or a proxy in front of it, may decode, split or strip a path differently from the
+    allowlist check (``/mcp/..%2Fadmin``, ``/mcp/..;/admin``), so such paths are refused rather
+    than normalised. On the path only (the query is not routed on), in this order:
+
+    1. every ``%`` starts a ``%XX`` escape;
+    2. no escaped ``/`` (``%2F``, ``%2f``): decoding must not change the segments;
+    3. after decoding every escape once, the path is printable ASCII: no NUL or other control
+       character, no byte >= 0x80 (overlong UTF-8 such as ``%C0%AE``, full-width dots or slashes);
+    4. the decoded path holds no ``%`` (double encoding: ``%252F``, ``%252e``), no ``\\`` (raw or
+       ``%5C``), no ``;`` (path parameters, raw or ``%3B``: ``..;``), no ``?`` or ``#``;
+    5. no decoded segment is ``.`` or ``..`` (``..``, ``%2e%2e``, ``.%2e``, ``%2e.``).
+
+    Never raises; `url` is not checked otherwise (`normalize_url` does that).
+    """
+    path = urlsplit(url).path
+    if _BAD_PERCENT_RE.search(path):
+        return "has a '%' that does not start a %XX escape"
+    if _ENCODED_SLASH_RE.search(path):
+        return "has an encoded '/' (%2F)"
+    decoded = unquote_to_bytes(path.encode("utf-8"))
+    if any(byte < 0x20 or byte >= 0x7F for byte in decoded):
+        return "has a control or non-ASCII character once decoded"
+    for char, what in (
+        (b"%", "is encoded twice (%25 decodes to '%')"),
+        (b"\\", "has a backslash (raw or %5C)"),
+        (b";", "has a ';' path parameter (raw or %3B)"),
+        (b"?", "has an encoded '?'"),
+        (b"#", "has an encoded '#'"),
+    ):
+        if char in decoded:
+            return what
+    if any(segment in (b".", b"..") for segment in decoded.split(b"/")):
+        return "has a '.' or '..' segment (raw or encoded)"
+    return None
+
+
+def _decoded_path(normalized_url: str) -> str:
+    """The path of a `normalize_url` output that `path_refusal` passed, every escape decoded once
+    (unambiguous then: no escape decodes to ``/`` or ``%``), without trailing slashes."""
+    return unquote_to_bytes(urlsplit(normalized_url).path).decode("ascii").rstrip("/")
+
+
 class UrlAllowlist:
     """The operator's ``--mcp-allow PREFIX`` list for client-declared MCP servers.
 
-    A URL is allowed when, after `normalize_url` on both sides, it has the prefix's scheme, host
-    and port exactly, and its path equals the prefix's path or continues it at a ``/`` boundary:
-    prefix ``http://good.example/mcp`` allows ``/mcp`` and ``/mcp/x`` but not ``/mcpx``, and prefix
-    ``http://good.example`` never allows ``http://good.example.evil.com``. An empty list allows
-    nothing (the gateway is never an open proxy). Prefixes with a query or fragment raise
-    ValueError at construction, naming the prefix.
+    A client's ``server_url`` is allowed when (`refusal`):
+
+    * it is a usable URL (`normalize_url`, which raises ValueError otherwise: another scheme,
+      credentials ``user:pw@`` — so ``http://good.example@evil/`` never reaches a host check —, a
+      non-ASCII host, a bad port, whitespace, control characters, raw backslashes);
+    * its path, as given, cannot be read as another path (`path_refusal`: no encoded ``/``, no
+      ``.``/``..`` segment, raw or encoded, no ``;``, ``\\``, double encoding, control or
+      non-ASCII characters once decoded);
+    * after `normalize_url` it has a prefix's scheme, host and port exactly (``:80`` for http and
+      ``:443`` for https are the same as none), and its percent-decoded path equals the prefix's
+      (trailing ``/`` ignored) or continues it at a ``/`` boundary: prefix
+      ``http://good.example/mcp`` allows ``/mcp``, ``/mcp/`` and ``/mcp/x`` (with any query) but
+      not ``/mcpx``, and prefix ``http://good.example`` never allows ``http://good.example.evil.com``.
+
+    An empty list allows nothing (the gateway is never an open proxy). Prefixes must pass the same
+    rules and have no query or fragment, else ValueError at construction, naming the prefix.
     """
 
     def __init__(self, prefixes: Sequence[str]) -> None:
@@ -167,22 +228,50 @@ class UrlAllowlist:
                 raise ValueError(f"MCP allowlist prefix {prefix!r} is invalid: {exc}") from None
             if "?" in normal or "#" in prefix:
                 raise ValueError(f"MCP allowlist prefix {prefix!r} must not have a query or fragment")
+            reason = path_refusal(prefix)
+            if reason is not None:
+                raise ValueError(f"MCP allowlist prefix {prefix!r} is invalid: its path {reason}")
             parts = urlsplit(normal)
-            self._prefixes.append((parts.scheme, parts.netloc, parts.path.rstrip("/")))
+            self._prefixes.append((parts.scheme, parts.netloc, _decoded_path(normal)))
 
     def __repr__(self) -> str:
         shown = [f"{scheme}://{netloc}{path}" for scheme, netloc, path in self._prefixes]
         return f"UrlAllowlist({shown!r})"
 
-    def allows(self, normalized_url: str) -> bool:
-        """Whether `normalized_url` (the output of `normalize_url`) matches one of the prefixes."""
-        parts = urlsplit(normalized_url)
-        for scheme, netloc, path in self._prefixes:
+    def refusal(self, url: str) -> str | None:
+        """Why `url` (a ``server_url`` as the client gave it) is not allowed, or None if it is.
+
+        The reason says what to change; it names neither the URL nor its query. Raises ValueError
+        (from `normalize_url`) when `url` is not a usable URL at all.
+        """
+        normal = normalize_url(url)
+        reason = path_refusal(url)
+        if reason is not None:
+            return (
+                f"its path {reason}, which the server or a proxy in front of it may read as another "
+                "path than the one the --mcp-allow allowlist checked; send the endpoint's plain "
+                "path ('/'-separated, without '.' or '..' segments, ';', backslashes or escaped "
+                "'/' or '%')"
+            )
+        parts = urlsplit(normal)
+        path = _decoded_path(normal)
+        for scheme, netloc, allowed in self._prefixes:
             if parts.scheme != scheme or parts.netloc != netloc:
                 continue
-            if not path or parts.path == path or parts.path.startswith(path + "/"):
-                return True
-        return False
+            if not allowed or path == allowed or path.startswith(allowed + "/"):
+                return None
+        return (
+            "is not on this gateway's MCP allowlist (--mcp-allow); ask the operator to allow it, "
+            "or use an operator-configured server_label"
+        )
+
+    def allows(self, url: str) -> bool:
+        """Whether `url` (a ``server_url`` as given, or its `normalize_url` form) is allowed:
+        `refusal` is None; False for a URL `normalize_url` refuses."""
+        try:
+            return self.refusal(url) is None
+        except ValueError:
+            return False
 
 
 def validate_headers(headers: object, *, client: bool) -> dict[str, str]:
