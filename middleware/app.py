@@ -270,6 +270,7 @@ def create_app(
         request_deadline=settings.request_deadline,
         retry_after=settings.retry_after,
         keepalive_interval=settings.keepalive_interval,
+        client_write_timeout=settings.client_write_timeout,
         charge_model=ChargeModel.named(settings.charge_model),
     )
 

@@ -58,6 +58,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--client-body-timeout", type=float, help="seconds to receive a request body (default 30)")
     p.add_argument(
+        "--client-write-timeout",
+        type=float,
+        help="seconds one write to the client may make no progress before the request ends as a "
+        "disconnect (default 30)",
+    )
+    p.add_argument(
         "--keepalive-interval", type=float, help="seconds between SSE keep-alive comments (default 15)"
     )
     p.add_argument("--workers", type=int, help="worker processes (default 1)")

@@ -52,6 +52,7 @@ class Settings:
     max_retained_bytes: int = 67_108_864
     charge_model: str = "measured"
     client_body_timeout: float = 30.0
+    client_write_timeout: float = 30.0
     keepalive_interval: float = 15.0
     workers: int = 1
     log_level: str = "info"
@@ -140,6 +141,7 @@ class Settings:
             "upstream_read_timeout",
             "upstream_deadline",
             "client_body_timeout",
+            "client_write_timeout",
             "keepalive_interval",
             "mcp_session_idle_timeout",
             "tool_timeout",

@@ -12,6 +12,9 @@ a bug) — and returns an `Outcome`: the HTTP status, envelope ``type`` and ``co
   event, one ``response.failed`` event carrying the response so far, and ``data: [DONE]``;
 * `stored_status(outcome)` is what the store keeps (``failed`` with the error; ``cancelled`` when
   the client went away, `CLIENT_GONE`);
+* `record_client_gone()` counts a request whose client went away — or stopped reading for
+  ``--client-write-timeout`` (§5 "client stops reading"): nothing is answered then, the
+  connection is closed, and the request is stored `CLIENT_GONE`;
 * `record(outcome)` counts the metrics (§8) and writes the one structured log line of the failure
   (request id, row, status, code, limit label, the failure's numbers, the caller's hash; never
   user content).
@@ -198,7 +201,7 @@ OUTCOMES: Final[Mapping[str, Row]] = {
     ),
     "server_shutting_down": Row("shutting down, drain timeout passed", 503, "server_shutting_down"),
     "server_shutting_down_refused": Row(
-        "shutting down: a new request is refused, its body not read",
+        "shutting down: a new request is refused, its body not read (or still being read when the drain timeout passes)",
         503, "server_shutting_down", close=True, retry_after=True, after_commit=False,
     ),
     "mcp_server_unavailable": Row("an MCP server's tools/list fails", 502, "mcp_server_unavailable"),
@@ -244,6 +247,10 @@ class Outcome:
 
 #: Stored status of a request whose client went away (no error, nothing answered).
 CLIENT_GONE: Final = "cancelled"
+#: The cap-hit ``limit`` of a client that stopped reading (DESIGN.md §5, §8), and its ``outcome``:
+#: nothing could be answered, the connection is closed.
+WRITE_TIMEOUT_CAP: Final = "client_write_timeout"
+CLOSED: Final = "closed"
 
 
 def error_type(status: int) -> str:
@@ -443,6 +450,30 @@ def stored_status(outcome: Outcome | None) -> tuple[str, dict[str, Any] | None]:
     if outcome is None:
         return CLIENT_GONE, None
     return "failed", error_object(outcome)
+
+
+def record_client_gone(
+    *, write_timeout: float | None = None, owner: str = "", committed: bool = False
+) -> None:
+    """Count a request whose client went away (``loopwarden_client_disconnects_total``): nothing
+    is answered and it is stored `CLIENT_GONE` (``stored_status(None)``).
+
+    ``write_timeout`` (seconds): the client did not go, it stopped reading — one write made no
+    progress for that long (DESIGN.md §5 "client stops reading for --client-write-timeout"): also
+    a cap hit ``limit="client_write_timeout"``, ``outcome="closed"``, and one log line (``owner``:
+    the caller's hash, its first 12 characters logged; ``committed``: the response had started).
+    """
+    metrics.CLIENT_DISCONNECTS.inc()
+    if write_timeout is None:
+        return
+    metrics.CAP_HITS.labels(limit=WRITE_TIMEOUT_CAP, outcome=CLOSED).inc()
+    log.warning(
+        "outcome row=client_write_timeout status=- code=- committed=%s cap=%s caller=%s seconds=%g",
+        committed,
+        WRITE_TIMEOUT_CAP,
+        owner[:12] or "-",
+        write_timeout,
+    )
 
 
 def stream_error_codes() -> frozenset[str]:

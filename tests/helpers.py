@@ -54,8 +54,12 @@ class CountingApp:
 
 
 @contextlib.contextmanager
-def gateway(upstream: MockUpstream | None, **overrides: Any) -> Iterator[tuple[str, CountingApp]]:
-    """The gateway (wrapped in `CountingApp`) on a real uvicorn; yields (base URL, counter)."""
+def gateway(
+    upstream: MockUpstream | None, *, http: str | None = None, **overrides: Any
+) -> Iterator[tuple[str, CountingApp]]:
+    """The gateway (wrapped in `CountingApp`) on a real uvicorn; yields (base URL, counter).
+
+    ``http``: uvicorn's HTTP stack (``"h11"`` or ``"httptools"``; None: uvicorn's default)."""
     overrides.setdefault("max_retained_bytes", B)
     overrides.setdefault("store", "memory")
     overrides.setdefault("max_infer_iters", 3)
@@ -63,7 +67,7 @@ def gateway(upstream: MockUpstream | None, **overrides: Any) -> Iterator[tuple[s
     overrides.setdefault("upstream_connect_timeout", 2.0)
     settings = Settings(upstream=upstream.base_url if upstream else None, **overrides)
     app = CountingApp(create_app(settings))
-    with serve_asgi(app) as url:
+    with serve_asgi(app, **({"http": http} if http else {})) as url:
         yield url, app
 
 

@@ -23,6 +23,13 @@ plus one event by default): bounded per request by a constant, and not charged t
 
 `last_sent()` is the event-loop time of the last write (or of creation): keep-alives are due
 ``keepalive_interval`` seconds after it, whatever the upstream sends meanwhile.
+
+**Stalled clients.** `write_blocked_for()` is how long the write in progress has been waiting (0
+when none is): under uvicorn a ``send`` waits only in flow control, while the transport's buffer
+is above its high-water mark, and returns as soon as the client has read it down to the low-water
+mark — a write that returns is progress. The guard (`middleware.asgi.guard`) ends a request whose
+write has waited ``--client-write-timeout`` and marks the stream ``stalled``: from then on nothing
+is sent (`fail` answers nothing; any other write raises `ClientStalled`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 DONE = b"data: [DONE]\n\n"
 
 
+class ClientStalled(Exception):
+    """A write to a client that stopped reading: the stream was marked ``stalled`` (a write made
+    no progress for ``--client-write-timeout``) and nothing more is sent to it."""
+
+
 class ClientStream:
     """The one writer to ``send`` for one request (see the module docstring).
 
@@ -49,10 +61,11 @@ class ClientStream:
     keep-alive comment is due. ``on_final(status)``: called once, just before the last body
     message goes out (the request is counted before a client can see its end).
     ``await stream(message)`` is an ASGI ``send`` too (coalescing ``more_body`` frames).
-    Raises whatever the wrapped ``send`` raises.
+    Raises whatever the wrapped ``send`` raises, and `ClientStalled` once ``stalled`` is set.
     """
 
     __slots__ = (
+        "_blocked_at",
         "_first",
         "_frames",
         "_loop",
@@ -66,6 +79,7 @@ class ClientStream:
         "keepalive_interval",
         "next_sequence",
         "snapshot",
+        "stalled",
         "status",
     )
 
@@ -79,6 +93,7 @@ class ClientStream:
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._sent_at = self._loop.time()
+        self._blocked_at: float | None = None  # loop time the write in progress began
         self._send = send
         self._frames: list[bytes] = []
         self._size = 0
@@ -88,6 +103,7 @@ class ClientStream:
         self.keepalive_interval = keepalive_interval
         self.committed = False  # http.response.start went out
         self.finished = False  # the last body message went out
+        self.stalled = False  # the client stopped reading: nothing more is sent
         self.status = 0
         self.next_sequence = 0
         #: The response so far, for the ``response.failed`` event of a failure after commit
@@ -99,6 +115,10 @@ class ClientStream:
         """Event-loop time (seconds) of the last write to the client, or of creation."""
         return self._sent_at
 
+    def write_blocked_for(self) -> float:
+        """Seconds the write in progress has been waiting for the client (0.0 when none is)."""
+        return 0.0 if self._blocked_at is None else self._loop.time() - self._blocked_at
+
     @property
     def pending(self) -> int:
         """Bytes buffered and not yet sent."""
@@ -107,6 +127,8 @@ class ClientStream:
     async def _write(self, message: Message) -> None:
         if self.finished:
             return
+        if self.stalled:
+            raise ClientStalled("the client stopped reading (--client-write-timeout); nothing more is sent")
         if message["type"] == "http.response.start":
             self.committed = True
             self.status = message["status"]
@@ -114,8 +136,11 @@ class ClientStream:
             self.finished = True
             if self._on_final is not None:
                 self._on_final(self.status)
-        self._sent_at = self._loop.time()
-        await self._send(message)
+        self._sent_at = self._blocked_at = self._loop.time()
+        try:
+            await self._send(message)
+        finally:
+            self._blocked_at = None
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.body":
@@ -203,8 +228,9 @@ class ClientStream:
 
     async def fail(self, outcome: outcomes.Outcome, *, retry_after: float = 1.0) -> None:
         """Answer `outcome` (`middleware.outcomes`): its envelope before commit, its frames after
-        (buffered frames first). Nothing once the response is finished."""
-        if self.finished:
+        (buffered frames first). Nothing once the response is finished, or once the client
+        stopped reading (``stalled``)."""
+        if self.finished or self.stalled:
             return
         if not self.committed:
             status, headers, body = outcomes.render_json(outcome, retry_after=retry_after)

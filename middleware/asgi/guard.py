@@ -2,12 +2,17 @@
 
 Pure ASGI (DESIGN.md §2, STYLE.md). For each request it creates the `ClientStream` (the one writer
 to ``send``), runs `Intake` (DESIGN.md §3 checks, a `RequestContext` in ``scope["loopwarden"]``),
-then supervises the inner app: the whole-request deadline, the drain timeout and the client's
-disconnect each cancel it. Whatever ends a request — a raise, the deadline, the drain, a
+then supervises the inner app: the whole-request deadline, the drain timeout, the client's
+disconnect and a write to the client that has waited ``--client-write-timeout`` (the client stopped
+reading) each cancel it. Whatever ends a request — a raise, the deadline, the drain, a
 disconnect — is settled here, once, through `middleware.outcomes`: its metrics and log line
 (`outcomes.record`), its stored status (`outcomes.stored_status`, through the loop's
 ``ctx.hooks.persist_failure``), and its answer (`ClientStream.fail`: the envelope before commit,
-``error`` + ``response.failed`` + ``[DONE]`` after).
+``error`` + ``response.failed`` + ``[DONE]`` after). That answer is bounded too: it gets at most
+``client_write_timeout`` seconds, so a request whose deadline fires while its client has stopped
+reading ends within ``request_deadline + client_write_timeout``. A client that stopped reading
+gets nothing more: it is counted and stored as gone (`outcomes.record_client_gone`,
+``cancelled``), and uvicorn closes the connection when the app returns.
 
 Every request is counted (``loopwarden_requests_total`` before its last byte leaves,
 ``loopwarden_inflight_requests``, ``loopwarden_client_disconnects_total``, the retained-bytes peak
@@ -51,6 +56,8 @@ class BudgetMiddleware:
     ``client_body_timeout``: seconds to receive the whole body. ``pool``: the worker's admission
     pool. ``request_deadline``: seconds for the whole request. ``retry_after``: seconds in a 503.
     ``keepalive_interval``: seconds of client silence before a ``: keep-alive`` comment.
+    ``client_write_timeout``: seconds one write to the client may wait (make no progress) before
+    the request ends as a client disconnect.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class BudgetMiddleware:
         request_deadline: float = 1800.0,
         retry_after: float = 1.0,
         keepalive_interval: float = 15.0,
+        client_write_timeout: float = 30.0,
         drain: DrainState = DRAIN,
         charge_model: ChargeModel | None = None,
     ) -> None:
@@ -74,6 +82,7 @@ class BudgetMiddleware:
         self.request_deadline = request_deadline
         self.retry_after = retry_after
         self.keepalive_interval = keepalive_interval
+        self.client_write_timeout = client_write_timeout
         self.drain = drain
         self.limits = limits
         self.client_body_timeout = client_body_timeout
@@ -119,7 +128,7 @@ class _Guard:
             try:
                 ctx = await self.intake.admit(self.client)
             except ClientGone:
-                metrics.CLIENT_DISCONNECTS.inc()
+                outcomes.record_client_gone()
                 return
             except Exception as exc:
                 await self._settle(exc, None)
@@ -141,7 +150,9 @@ class _Guard:
         work = asyncio.ensure_future(self._inner(scope))
         watcher = asyncio.ensure_future(self._watch_disconnect())
         deadline = self.started_at + self.mw.request_deadline
+        write_timeout = self.mw.client_write_timeout
         ended: Exception | None = None
+        stalled = False
         try:
             while True:
                 now = time.monotonic()
@@ -160,22 +171,36 @@ class _Guard:
                         seconds=self.mw.request_deadline,
                     )
                     break
+                blocked = self.client.write_blocked_for()
+                if blocked >= write_timeout:
+                    # the client stopped reading: this write made no progress. Marked before the
+                    # work is cancelled, so that no clean-up of it writes (and waits) again
+                    stalled = self.client.stalled = True
+                    break
                 wake = min(deadline, drain_at if drain_at is not None else deadline) - now
+                if blocked:
+                    wake = min(wake, write_timeout - blocked)
                 done, _ = await asyncio.wait(
-                    {work, watcher}, timeout=min(max(wake, 0.0), 1.0), return_when=asyncio.FIRST_COMPLETED
+                    {work, watcher},
+                    timeout=min(max(wake, 0.0), 1.0, write_timeout),
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if done:
                     break
         finally:
-            gone = not work.done() and ended is None
+            gone = not work.done() and ended is None and not stalled
             if not work.done():
                 work.cancel()
             watcher.cancel()
             for task in (work, watcher):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if stalled:
+            self._stalled()
+            await self._persist(ctx, None)
+            return
         if gone:
-            metrics.CLIENT_DISCONNECTS.inc()
+            outcomes.record_client_gone()
             await self._persist(ctx, None)
             return
         failure = ended if ended is not None else work.result()
@@ -189,6 +214,16 @@ class _Guard:
         except Exception as exc:
             return exc
         return None
+
+    def _stalled(self) -> None:
+        """The client stopped reading: nothing more is sent to it; count it (a disconnect and a
+        ``client_write_timeout`` cap hit)."""
+        self.client.stalled = True
+        outcomes.record_client_gone(
+            write_timeout=self.mw.client_write_timeout,
+            owner=self.intake.owner,
+            committed=self.client.committed,
+        )
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -235,5 +270,14 @@ class _Guard:
         outcomes.record(outcome, owner=self.intake.owner, limit=code_limit)
         if ctx is not None:
             await self._persist(ctx, outcome)
-        with contextlib.suppress(OSError):
-            await self.client.fail(outcome, retry_after=self.mw.retry_after)
+        try:
+            # bounded like every write: the deadline or the drain may have fired because the
+            # client stopped reading, and then this answer cannot be written either
+            async with asyncio.timeout(self.mw.client_write_timeout) as bound:
+                await self.client.fail(outcome, retry_after=self.mw.retry_after)
+        except TimeoutError:
+            if not bound.expired():
+                return  # the transport's own (an OSError): the client is gone
+            self._stalled()
+        except OSError:
+            pass

@@ -11,7 +11,8 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
    smallest wins;
 2. the drain (`ShuttingDown`) and admission control: a reservation from the process pool
    (`ProcessBudgetExceeded`, `CallerShareTooLarge`, `Overloaded`, then `CallerShareFull`) before a
-   byte of the body is read;
+   byte of the body is read; a body still being read when the drain timeout passes is
+   `ShuttingDown` too (refused: 503 with ``Connection: close``);
 3. the raw body clamp (`budget.ChargeModel.body_clamp` of the most permissive configured charge
    model) from ``Content-Length`` and while reading
    (`BodyTooLarge`), within ``client_body_timeout`` seconds (`BodyTimeout`), counting JSON nodes in
@@ -139,9 +140,16 @@ class Intake:
         self.reservation = self._reserve(limits, declared, permissive)
         counter = JsonNodeCounter(max_depth=DEFAULT_MAX_DEPTH, features=permissive.parse is not None)
         try:
-            async with asyncio.timeout(self.config.client_body_timeout):
-                raw = await self._read_body(clamp, limits, permissive, counter)
+            async with asyncio.timeout(self.config.client_body_timeout) as bound:
+                with self.config.drain.bounding(bound) as read:
+                    raw = await self._read_body(clamp, limits, permissive, counter)
         except TimeoutError:
+            if read.cut:  # the drain timeout passed first (DrainState.bounding)
+                raise ShuttingDown(
+                    "the gateway is shutting down and the drain timeout (--drain-timeout) passed while "
+                    "this request's body was still being received; retry it on another instance",
+                    refused=True,
+                ) from None
             raise BodyTimeout(
                 f"the request body was not received within {self.config.client_body_timeout:g} s "
                 "(--client-body-timeout); send the whole body promptly",

@@ -35,10 +35,12 @@ refused mid-request -> `budget.PoolExhausted`, whose cause the reservation keeps
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal
@@ -295,18 +297,64 @@ class RequestReservation:
         self.pool._publish()
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class DrainBound:
+    """One body read that the drain deadline also bounds (`DrainState.bounding`): ``timeout`` its
+    entered `asyncio.timeout`, ``loop`` the loop it runs on, ``cut`` set once the drain moved the
+    timeout's deadline earlier (so its expiry is the drain's, not the read's own)."""
+
+    timeout: asyncio.Timeout
+    loop: asyncio.AbstractEventLoop
+    cut: bool = False
+
+
 class DrainState:
-    """Graceful drain: set on SIGTERM; in-flight requests get ``drain_timeout`` seconds."""
+    """Graceful drain: set on SIGTERM; in-flight requests get ``drain_timeout`` seconds.
+
+    The guard ends requests in flight at the deadline; a request still receiving its body then is
+    ended by its body read's own timeout, which `bounding` moves to the deadline (the read may be
+    waiting for bytes that never come, with nothing else to wake it).
+    """
 
     def __init__(self) -> None:
         self.draining = False
-        self.deadline: float | None = None  # loop time after which in-flight requests are ended
+        self.deadline: float | None = None  # time.monotonic() after which in-flight requests are ended
+        self._reads: dict[asyncio.Timeout, DrainBound] = {}
 
     def start(self, drain_timeout: float, now: float) -> None:
-        """Stop admitting; in-flight requests may run until ``now + drain_timeout``."""
+        """Stop admitting; in-flight requests may run until ``now + drain_timeout``
+        (``time.monotonic()`` seconds). Safe from a signal handler and from another thread: body
+        reads in progress are cut on their own loops (``call_soon_threadsafe``)."""
         if not self.draining:
             self.draining = True
             self.deadline = now + drain_timeout
+            for read in tuple(self._reads.values()):
+                with contextlib.suppress(RuntimeError):  # that loop is closed: nothing to cut
+                    read.loop.call_soon_threadsafe(self._cut, read)
+
+    @contextlib.contextmanager
+    def bounding(self, timeout: asyncio.Timeout) -> Iterator[DrainBound]:
+        """Within the block, ``timeout`` (entered, of a body read) expires at the drain deadline
+        too: at once if a drain is under way, else when one starts. The `DrainBound` yielded says
+        whether the drain cut it."""
+        read = DrainBound(timeout, asyncio.get_running_loop())
+        self._reads[timeout] = read
+        try:
+            if self.deadline is not None:
+                self._cut(read)
+            yield read
+        finally:
+            del self._reads[timeout]
+
+    def _cut(self, read: DrainBound) -> None:
+        """Move ``read``'s timeout to the drain deadline if that is earlier (on its loop)."""
+        if self.deadline is None or self._reads.get(read.timeout) is not read:
+            return  # the read is over
+        when = read.loop.time() + (self.deadline - time.monotonic())
+        current = read.timeout.when()
+        if current is None or when < current:
+            read.cut = True
+            read.timeout.reschedule(when)
 
 
 DRAIN = DrainState()

@@ -53,6 +53,7 @@ CAP_LIMITS: tuple[str, ...] = (
     "request_deadline",
     "admission",
     "caller_share",
+    "client_write_timeout",
 )
 #: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
 CAP_OUTCOMES: tuple[str, ...] = (
@@ -66,6 +67,7 @@ CAP_OUTCOMES: tuple[str, ...] = (
     "sse_error",
     "incomplete",
     "tool_error",
+    "closed",  # nothing could be answered: the client stopped reading (client_write_timeout)
 )
 #: The (limit, outcome) pairs pre-initialised at import, so dashboards show 0 instead of "No
 #: data" and the live check sees a series for every cap-hit query: the cap-hit rows of DESIGN.md
@@ -94,6 +96,7 @@ CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     ("caller_share", "413"),  # one reservation over a caller's whole share, or its initial payload
     ("caller_share", "502"),  # the caller's share has no room for a later charge
     ("caller_share", "sse_error"),  # the same after commit
+    ("client_write_timeout", "closed"),  # a client that stopped reading: connection closed, stored cancelled
 )
 #: ``loopwarden_upstream_errors_total{kind}``.
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
