@@ -32,6 +32,9 @@ class BackgroundServer:
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         config.setdefault("lifespan", "on")
+        # uvicorn's default, "auto", is httptools whenever it is installed (a dependency since the
+        # connection bounds): keep the stack explicit, `loopwarden serve`'s default, unless asked
+        config.setdefault("http", "h11")
         # Leave the host process's logging alone: uvicorn applies log_config, log_level and
         # access_log=False to the process-wide "uvicorn.*" loggers, which would silence the
         # gateway's own access log.

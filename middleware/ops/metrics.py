@@ -53,6 +53,8 @@ CAP_LIMITS: tuple[str, ...] = (
     "request_deadline",
     "admission",
     "caller_share",
+    "header_timeout",
+    "max_connections",
 )
 #: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
 CAP_OUTCOMES: tuple[str, ...] = (
@@ -94,6 +96,10 @@ CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     ("caller_share", "413"),  # one reservation over a caller's whole share, or its initial payload
     ("caller_share", "502"),  # the caller's share has no room for a later charge
     ("caller_share", "sse_error"),  # the same after commit
+    # connection-level (middleware.ops.connections): nothing is sent, the connection is closed;
+    # the outcome is the status the cap stands for
+    ("header_timeout", "408"),  # no complete request head within --header-timeout
+    ("max_connections", "503"),  # refused at accept: --max-connections open in this worker
 )
 #: ``loopwarden_upstream_errors_total{kind}``.
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
@@ -133,7 +139,7 @@ STREAM_ERROR_CODES: tuple[str, ...] = (
     "internal_error",
 )
 #: ``loopwarden_requests_total{status}``: the statuses DESIGN.md §5 answers with, plus 404/405
-#: from routing, 500 (a bug: no client input may cause it) and 499 (client went away before a
+#: from routing, 431 (a request head over --max-header-bytes, answered by the connection guard), 500 (a bug: no client input may cause it) and 499 (client went away before a
 #: status was sent, the nginx convention).
 HTTP_STATUSES: tuple[str, ...] = (
     "200",
@@ -147,6 +153,7 @@ HTTP_STATUSES: tuple[str, ...] = (
     "413",
     "422",
     "429",
+    "431",
     "499",
     "500",
     "502",
