@@ -132,7 +132,10 @@ class Attack:
         with contextlib.suppress(OSError):
             reader, writer = await self._open()
             self._count("slow_head")
-            head = f"POST /v1/responses HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\nx-pad: ".encode() + b"a" * 10_000
+            head = (
+                f"POST /v1/responses HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\nx-pad: ".encode()
+                + b"a" * 10_000
+            )
             for byte in head:
                 if self.stop.is_set() or reader.at_eof():
                     break
@@ -201,7 +204,7 @@ async def probe(url: str, stop: asyncio.Event, seconds: float | None = None) -> 
                 ) as resp:
                     await resp.read()
                     ok = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 ok = False
             out.append(time.monotonic() - started if ok else None)
             await asyncio.sleep(0.02)
@@ -218,14 +221,17 @@ def summary(latencies: list[float | None]) -> tuple[float, float, float, int]:
 
 
 async def run(args: argparse.Namespace) -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))  # the attackers' own sockets
     with tempfile.TemporaryDirectory(prefix="lw-hostile-") as tmp:
         procs = Processes(Path(tmp), pin=False)
         try:
             up_port, gw_port = free_port(), free_port()
             upstream = procs.start(
-                "upstream", [PY, str(BENCH / "upstream.py"), "--port", str(up_port)], 0, f"http://127.0.0.1:{up_port}/v1"
+                "upstream",
+                [PY, str(BENCH / "upstream.py"), "--port", str(up_port)],
+                0,
+                f"http://127.0.0.1:{up_port}/v1",
             )
             await wait_ready(upstream, "/healthz")
             argv = [PY, "-m", "middleware.cli", "serve", "--port", str(gw_port), "--upstream", upstream.url]
@@ -234,7 +240,7 @@ async def run(args: argparse.Namespace) -> int:
             argv += ["--request-deadline", "30", *args.gateway_arg]
             env = {"PYTHONPATH": str(BENCH.parent)}
             if args.http:
-                env["LOOPWARDEN_HTTP"] = args.http
+                argv += ["--http", args.http]
             gateway = procs.start("gateway", argv, 1, f"http://127.0.0.1:{gw_port}/v1", env=env)
             await wait_ready(gateway, "/healthz")
             base = gateway.url.removesuffix("/v1")
@@ -243,7 +249,10 @@ async def run(args: argparse.Namespace) -> int:
                 never = asyncio.Event()
                 unloaded = summary(await probe(base, never, args.baseline_seconds))
                 metrics0 = await scrape(session, base)
-                base_fds, base_reserved = fds(pid), metric_value(metrics0, "loopwarden_admission_reserved_bytes")
+                base_fds, base_reserved = (
+                    fds(pid),
+                    metric_value(metrics0, "loopwarden_admission_reserved_bytes"),
+                )
                 base_rss = rss_bytes(pid)
                 stop = asyncio.Event()
                 attack = Attack(gw_port, stop)
@@ -259,7 +268,9 @@ async def run(args: argparse.Namespace) -> int:
                 while time.monotonic() < end:
                     text = await scrape(session, base)
                     peak["fds"] = max(peak["fds"], fds(pid))
-                    peak["reserved"] = max(peak["reserved"], metric_value(text, "loopwarden_admission_reserved_bytes"))
+                    peak["reserved"] = max(
+                        peak["reserved"], metric_value(text, "loopwarden_admission_reserved_bytes")
+                    )
                     peak["rss"] = max(peak["rss"], rss_bytes(pid))
                     await asyncio.sleep(0.25)
                 stop.set()
@@ -271,7 +282,10 @@ async def run(args: argparse.Namespace) -> int:
                 t0 = time.monotonic()
                 while time.monotonic() - t0 < 15:
                     text = await scrape(session, base)
-                    back = fds(pid) <= base_fds + 2 and metric_value(text, "loopwarden_admission_reserved_bytes") <= base_reserved
+                    back = (
+                        fds(pid) <= base_fds + 2
+                        and metric_value(text, "loopwarden_admission_reserved_bytes") <= base_reserved
+                    )
                     if back:
                         break
                     await asyncio.sleep(0.1)
@@ -281,7 +295,9 @@ async def run(args: argparse.Namespace) -> int:
         finally:
             procs.stop_all()
     print(machine_description())
-    print(f"\nstack: {args.http or 'uvicorn default'}; attack for {args.seconds:g} s; counts: {attack.done}")
+    print(
+        f"\nstack: {args.http or 'loopwarden serve default (h11)'}; attack for {args.seconds:g} s; counts: {attack.done}"
+    )
     print("\n| | success | p50 ms | p99 ms | requests |\n|---|---:|---:|---:|---:|")
     for name, (rate, p50, p99, n) in (("probe, unloaded", unloaded), ("probe, under attack", loaded)):
         print(f"| {name} | {100 * rate:.1f} % | {p50:.1f} | {p99:.1f} | {n} |")
@@ -292,7 +308,10 @@ async def run(args: argparse.Namespace) -> int:
         f"RSS {peak['rss'] / 1048576:.0f} MiB (baseline {base_rss / 1048576:.0f})"
     )
     print(f"back to baseline (descriptors and pool) {'after' if back else 'NOT within'} {recovered:.1f} s")
-    print("cap hits during the run: " + ", ".join(f"{k}={hits[k] - hits0.get(k, 0):g}" for k in sorted(hits) if hits[k] - hits0.get(k, 0)))
+    print(
+        "cap hits during the run: "
+        + ", ".join(f"{k}={hits[k] - hits0.get(k, 0):g}" for k in sorted(hits) if hits[k] - hits0.get(k, 0))
+    )
     return 0 if back and loaded[0] == 1.0 else 1
 
 
@@ -300,12 +319,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--idle", type=int, default=500, help="idle sockets (default 500)")
     parser.add_argument("--stalled", type=int, default=100, help="clients that stop reading (default 100)")
-    parser.add_argument("--slow", type=int, default=50, help="slowloris sockets on heads and on bodies (default 50 each)")
-    parser.add_argument("--dropped", type=int, default=200, help="clients that disconnect mid-stream (default 200)")
+    parser.add_argument(
+        "--slow", type=int, default=50, help="slowloris sockets on heads and on bodies (default 50 each)"
+    )
+    parser.add_argument(
+        "--dropped", type=int, default=200, help="clients that disconnect mid-stream (default 200)"
+    )
     parser.add_argument("--pipelined", type=int, default=20, help="pipelined connections (default 20)")
     parser.add_argument("--seconds", type=float, default=20.0, help="attack duration (default 20)")
     parser.add_argument("--baseline-seconds", type=float, default=5.0, help="unloaded probe (default 5)")
-    parser.add_argument("--http", choices=("h11", "httptools"), help="uvicorn HTTP stack (default: uvicorn's)")
+    parser.add_argument(
+        "--http", choices=("h11", "httptools"), help="uvicorn HTTP stack (default: loopwarden serve's)"
+    )
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra flag for loopwarden serve")
     sys.exit(asyncio.run(run(parser.parse_args())))
 

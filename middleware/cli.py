@@ -20,8 +20,9 @@ from typing import Any
 
 import uvicorn
 
-from middleware.config import SettingsError, load_settings
+from middleware.config import Settings, SettingsError, load_settings
 from middleware.ops.admission import install_drain_hook
+from middleware.ops.connections import connection_options, fd_overcommit, resolve_max_connections
 from middleware.ops.request_id import log_config
 
 
@@ -67,6 +68,35 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--keepalive-interval", type=float, help="seconds between SSE keep-alive comments (default 15)"
     )
     p.add_argument("--workers", type=int, help="worker processes (default 1)")
+    p.add_argument("--http", help="uvicorn's HTTP/1.1 stack: h11 (default) or httptools")
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        help="seconds a connection has to send a complete request head, else it is closed (default 10)",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        help="seconds an idle keep-alive connection stays open after a response (uvicorn's "
+        "timeout_keep_alive; default 5); not --keepalive-interval, the SSE comment interval",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        help="open client connections per worker; more are closed at accept (default 0: the "
+        "file-descriptor limit minus room for the upstream pools and 64 more)",
+    )
+    p.add_argument(
+        "--backlog",
+        type=int,
+        help="listen queue, and sockets accepted per wake-up (uvicorn's backlog; default 0: "
+        "min(2048, the file-descriptor limit // 8))",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        help="bytes of one request head, 1024..=1048576; over it: 431 (default 65536)",
+    )
     p.add_argument(
         "--max-inflight-retained-bytes",
         type=int,
@@ -160,6 +190,23 @@ def _multiprocess_metrics_dir() -> None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="loopwarden-metrics-")
 
 
+def uvicorn_options(settings: Settings, nofile: int | None = None) -> dict[str, Any]:
+    """The ``uvicorn.run`` keywords ``serve`` uses for `settings`, single worker and ``--workers``
+    > 1 alike: address, logging, the graceful-shutdown cut-off and the connection bounds
+    (`middleware.ops.connections.connection_options`; ``nofile``: the file-descriptor limit to
+    derive ``max_connections`` from, None: this process's). Raises SettingsError when the
+    derived ``max_connections`` is too small."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "log_config": log_config(settings.log_level, json_lines=settings.log_format == "json"),
+        # uvicorn's own cut-off comes after ours, so drained requests get their error frame first
+        "timeout_graceful_shutdown": settings.drain_timeout + 5,
+        **connection_options(settings, nofile),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``loopwarden`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -202,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         keys = settings.api_keys()
+        common = uvicorn_options(settings)
     except SettingsError as exc:
         print(f"loopwarden: {exc}", file=sys.stderr)
         return 2
@@ -214,18 +262,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"loopwarden: starting on http://{settings.host}:{settings.port} "
         f"(upstream: {settings.upstream or 'embedded development model'}, "
-        f"max_infer_iters={settings.max_infer_iters}, max_retained_bytes={settings.max_retained_bytes})",
+        f"max_infer_iters={settings.max_infer_iters}, max_retained_bytes={settings.max_retained_bytes}, "
+        f"http={settings.http}, max_connections={resolve_max_connections(settings)} per worker)",
         file=sys.stderr,
         flush=True,
     )
-    common: dict[str, Any] = {
-        "host": settings.host,
-        "port": settings.port,
-        "log_level": settings.log_level,
-        "log_config": log_config(settings.log_level, json_lines=settings.log_format == "json"),
-        # uvicorn's own cut-off comes after ours, so drained requests get their error frame first
-        "timeout_graceful_shutdown": settings.drain_timeout + 5,
-    }
+    if over := fd_overcommit(settings):
+        print(
+            f"loopwarden: WARNING: --max-connections, --backlog and the upstream pools may need {over} "
+            "file descriptors more than ulimit -n allows: raise it or lower them (0 derives both)",
+            file=sys.stderr,
+        )
     install_drain_hook(settings.drain_timeout)
     if settings.workers == 1:
         from middleware.app import create_app

@@ -37,6 +37,9 @@ class Settings:
     Units: timeouts and intervals in seconds, sizes in bytes. ``upstream`` is the base URL of a
     Responses-compatible server including its ``/v1`` (``None``: start the embedded development
     model). ``limits`` holds ``max_infer_iters`` and ``max_retained_bytes`` (DESIGN.md §3).
+    ``http`` is uvicorn's HTTP/1.1 stack (``h11`` or ``httptools``); ``header_timeout``,
+    ``keepalive_timeout``, ``max_connections`` and ``backlog`` (0: derived from the
+    file-descriptor limit) and ``max_header_bytes`` are the connection bounds (`middleware.ops.connections`).
     """
 
     host: str = "127.0.0.1"
@@ -73,6 +76,12 @@ class Settings:
     memory_pressure_threshold: float = 0.9
     request_deadline: float = 1800.0
     drain_timeout: float = 30.0
+    http: str = "h11"
+    header_timeout: float = 10.0
+    keepalive_timeout: float = 5.0
+    max_connections: int = 0
+    max_header_bytes: int = 65_536
+    backlog: int = 0
     models: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     store: str = "sqlite:///./.loopwarden/loopwarden.db"
     api_key: tuple[str, ...] = dataclasses.field(default=(), repr=False)
@@ -148,6 +157,8 @@ class Settings:
             "retry_after",
             "request_deadline",
             "drain_timeout",
+            "header_timeout",
+            "keepalive_timeout",
         ):
             value = getattr(self, name)
             if not value > 0:
@@ -160,6 +171,18 @@ class Settings:
             raise SettingsError(
                 f"upstream_max_connections must be in 1..=10000, got {self.upstream_max_connections}"
             )
+        if self.http not in ("h11", "httptools"):
+            raise SettingsError(f"http must be h11 or httptools, got {self.http!r}")
+        if not 0 <= self.max_connections <= 1_000_000:
+            raise SettingsError(
+                f"max_connections must be in 0..=1000000 (0: the file-descriptor limit minus head-room), got {self.max_connections}"
+            )
+        if not 0 <= self.backlog <= 65_535:
+            raise SettingsError(
+                f"backlog must be in 0..=65535 (0: min(2048, the file-descriptor limit // 8)), got {self.backlog}"
+            )
+        if not 1024 <= self.max_header_bytes <= 1_048_576:
+            raise SettingsError(f"max_header_bytes must be in 1024..=1048576, got {self.max_header_bytes}")
         if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
             raise SettingsError(f"upstream must be an http:// or https:// URL, got {self.upstream!r}")
         if self.charge_model not in ("measured", "reference"):

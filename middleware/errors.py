@@ -16,6 +16,7 @@ Failure                          base: ``message``, ``param``, ``code`` (rows th
 ├── MethodNotAllowed             wrong method (405, ``allow``)
 ├── BodyTooLarge                 the raw body passes the clamp (413 request_too_large)
 ├── BodyTimeout                  the body did not arrive in time (408 request_timeout)
+├── HeadTooLarge                 the request head passes --max-header-bytes (431 request_header_too_large)
 ├── HistoryTooLarge              the stored history does not fit the ledger (413 max_retained_bytes_exceeded)
 ├── StoredReadTooLarge           a stored response or item does not fit a read's ledger (413 max_retained_bytes_exceeded)
 ├── LoopLimitReached             gateway tools still called after max_infer_iters calls (508)
@@ -123,6 +124,14 @@ class BodyTimeout(Failure):
     """The whole body was not received within ``--client-body-timeout`` (fact ``seconds``)."""
 
     row = "request_timeout"
+
+
+class HeadTooLarge(Failure):
+    """The request head (request line and headers) passes ``--max-header-bytes`` (facts ``size``
+    and ``limit``, bytes); answered by the connection guard (`middleware.ops.connections`)
+    before any request exists."""
+
+    row = "request_head_too_large"
 
 
 class HistoryTooLarge(Failure):

@@ -107,6 +107,10 @@ OUTCOMES: Final[Mapping[str, Row]] = {
         "client body not received within --client-body-timeout",
         408, "request_timeout", cap="client_body_timeout", deterministic=True, close=True, after_commit=False,
     ),
+    "request_head_too_large": Row(
+        "request head (request line and headers) over --max-header-bytes",
+        431, "request_header_too_large", deterministic=True, close=True, after_commit=False,
+    ),
     "budget_initial": Row(
         "ledger overflow on the initial payload or restored history",
         413, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True, after_commit=False,

@@ -41,14 +41,10 @@ UNDECLARED_METRICS: Mapping[str, str] = {
     "loopwarden_memory_pressure_ratio": "issue 10 (memory-pressure shedding): gauge, no labels",
 }
 #: Cap-hit ``limit`` values DESIGN.md §8 adds for the second batch, not built yet. The WebSocket
-#: and translation values belong to those capabilities; DESIGN names no issue for the other two,
-#: so they are put on "hostile network" (idle sockets, connection cap) by inference: correct the
-#: entry if another issue builds one. (``caller_share``, issue "memory truth", and
-#: ``client_write_timeout``, issue 17 "hostile network", are built: `metrics.CAP_LIMITS` values,
-#: pre-initialised.)
+#: and translation values belong to those capabilities. (``caller_share``, issue "memory truth",
+#: and ``client_write_timeout`` / ``header_timeout`` / ``max_connections``, issue 17 "hostile
+#: network", are built: `metrics.CAP_LIMITS` values, pre-initialised.)
 PENDING_CAP_LIMITS: Mapping[str, str] = {
-    "header_timeout": 'issue "hostile network" (idle sockets that never send a request)',
-    "max_connections": 'issue "hostile network" (file descriptors held by idle connections)',
     "websocket_lifetime": 'issue "WebSocket mode"',
     "websocket_idle": 'issue "WebSocket mode"',
     "websocket_message_size": 'issue "WebSocket mode"',

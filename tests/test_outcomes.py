@@ -23,6 +23,11 @@ DESIGN = ROOT.parent / "shared" / "DESIGN.md"
 EXAMPLES: dict[str, tuple[BaseException, int, str]] = {
     "request_too_large": (errors.BodyTooLarge("too big", size=9, clamp=8), 413, "request_too_large"),
     "request_timeout": (errors.BodyTimeout("slow", seconds=30), 408, "request_timeout"),
+    "request_head_too_large": (
+        errors.HeadTooLarge("head too big", size=70000, limit=65536),
+        431,
+        "request_header_too_large",
+    ),
     "budget_initial": (BudgetExceeded("input", 10, 0, 5), 413, "max_retained_bytes_exceeded"),
     "store_read_too_large": (
         errors.StoredReadTooLarge("too big to read", requested=10, charged=0, limit=5),

@@ -32,9 +32,8 @@ class BackgroundServer:
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         config.setdefault("lifespan", "on")
-        # uvicorn's "auto" picks httptools when it is installed; h11 stays the default stack until
-        # the performance issue makes httptools the default with its differences resolved (a
-        # caller that wants httptools asks for it: tests run both where behaviour can differ)
+        # uvicorn's default, "auto", is httptools whenever it is installed (a dependency since the
+        # connection bounds): keep the stack explicit, `loopwarden serve`'s default, unless asked
         config.setdefault("http", "h11")
         # Leave the host process's logging alone: uvicorn applies log_config, log_level and
         # access_log=False to the process-wide "uvicorn.*" loggers, which would silence the

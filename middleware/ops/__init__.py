@@ -4,6 +4,8 @@ One job per module:
 
 * `admission` — `ProcessPool`, `RequestReservation`, `DrainState`: the per-worker budget pool,
   load shedding and the drain.
+* `connections` — `connection_options`, `BoundedH11Protocol`, `BoundedHttpToolsProtocol`: the
+  header timeout, head-size bound and connection cap on both uvicorn HTTP stacks.
 * `metrics` — the DESIGN.md §8 metric contract (`METRICS`) and the Prometheus singletons.
 * `request_id` — `RequestIdMiddleware` and `log_config`: ``x-request-id`` on every answer and
   log line.

@@ -54,6 +54,8 @@ CAP_LIMITS: tuple[str, ...] = (
     "admission",
     "caller_share",
     "client_write_timeout",
+    "header_timeout",
+    "max_connections",
 )
 #: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
 CAP_OUTCOMES: tuple[str, ...] = (
@@ -97,6 +99,10 @@ CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     ("caller_share", "502"),  # the caller's share has no room for a later charge
     ("caller_share", "sse_error"),  # the same after commit
     ("client_write_timeout", "closed"),  # a client that stopped reading: connection closed, stored cancelled
+    # connection-level (middleware.ops.connections): nothing is sent, the connection is closed;
+    # the outcome is the status the cap stands for
+    ("header_timeout", "408"),  # no complete request head within --header-timeout
+    ("max_connections", "503"),  # refused at accept: --max-connections open in this worker
 )
 #: ``loopwarden_upstream_errors_total{kind}``.
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
@@ -136,7 +142,7 @@ STREAM_ERROR_CODES: tuple[str, ...] = (
     "internal_error",
 )
 #: ``loopwarden_requests_total{status}``: the statuses DESIGN.md §5 answers with, plus 404/405
-#: from routing, 500 (a bug: no client input may cause it) and 499 (client went away before a
+#: from routing, 431 (a request head over --max-header-bytes, answered by the connection guard), 500 (a bug: no client input may cause it) and 499 (client went away before a
 #: status was sent, the nginx convention).
 HTTP_STATUSES: tuple[str, ...] = (
     "200",
@@ -150,6 +156,7 @@ HTTP_STATUSES: tuple[str, ...] = (
     "413",
     "422",
     "429",
+    "431",
     "499",
     "500",
     "502",
