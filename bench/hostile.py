@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import resource
 import socket
@@ -316,6 +317,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # the attackers' writes to closed sockets
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--idle", type=int, default=500, help="idle sockets (default 500)")
     parser.add_argument("--stalled", type=int, default=100, help="clients that stop reading (default 100)")
