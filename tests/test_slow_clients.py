@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import DONE, PRE, MetricDelta, gateway, message_item, metric, text_delta
+from tests.helpers import DONE, PRE, MetricDelta, gateway, message_item, metric, response_obj, text_delta
 from tests.mock_upstream import MockUpstream, Reply
 
 STACKS = ["h11", "httptools"]
@@ -56,7 +56,9 @@ def long_answer(deltas: int, *, pause: float = 0.0) -> Reply:
 
 
 @contextlib.contextmanager
-def non_reading_client(url: str, body: dict[str, Any]) -> Iterator[str]:
+def non_reading_client(
+    url: str, body: dict[str, Any], sockets: list[socket.socket] | None = None
+) -> Iterator[str]:
     """POST `body` from a raw socket with a 4 KiB receive buffer, read the response head and its
     first event (``response.created``), then never read again; yields the response id. The
     socket stays open (and unread) until the block ends."""
@@ -64,6 +66,8 @@ def non_reading_client(url: str, body: dict[str, Any]) -> Iterator[str]:
     raw = json.dumps(body).encode()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: sets the window
+    if sockets is not None:  # the caller looks at the socket itself
+        sockets.append(sock)
     try:
         sock.settimeout(10)
         sock.connect((host, int(port)))
@@ -251,3 +255,50 @@ def test_shutdown_during_an_upload_answers_503_server_shutting_down(
     assert envelope["code"] == "server_shutting_down" and envelope["type"] == "server_error"
     assert exited < drain + 2.0, exited  # within the drain timeout (+ process exit)
     assert upstream.requests == []
+
+
+@pytest.mark.parametrize("http", STACKS)
+def test_a_closed_connection_whose_client_reads_nothing_is_aborted_not_kept(
+    upstream: MockUpstream, http: str
+) -> None:
+    """A buffered 8 MB answer is one ``send``: what the kernel does not take waits in the
+    transport's buffer, and a close (here the keep-alive timeout's) flushes it first. Without a
+    bound, a client that never reads kept that socket, its megabytes and a connection slot for
+    ever. With the connection bounds (`loopwarden serve`'s protocol) the closed connection is
+    aborted once its buffer has not shrunk for a write timeout: the client that reads afterwards
+    gets only what the kernel already held, then the end of the connection."""
+    from middleware.app import create_app
+    from middleware.config import Settings
+    from middleware.ops.connections import connection_options
+    from tests.servers import serve_asgi
+
+    text = "x" * 8_000_000
+    upstream.push(Reply.json(response_obj([message_item(text)])))
+    settings = Settings(
+        upstream=upstream.base_url,
+        store="memory",
+        http=http,
+        client_write_timeout=1.0,
+        keepalive_timeout=1.0,
+        max_retained_bytes=268_435_456,
+        upstream_read_timeout=30,
+    )
+    raw = json.dumps({"model": "m", "input": "x", "store": False}).encode()
+    with serve_asgi(create_app(settings), **connection_options(settings)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        with sock:
+            sock.connect((host, int(port)))
+            sock.sendall(
+                b"POST /v1/responses HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(raw), raw)
+            )
+            sock.settimeout(10)
+            assert sock.recv(16).startswith(b"HTTP/1.1 200")
+            time.sleep(5.0)  # keep-alive timeout (1 s), then the close lingers (1 s) and is aborted
+            received = 0
+            with contextlib.suppress(ConnectionResetError):
+                while data := sock.recv(65536):
+                    received += len(data)
+    assert received < len(text), received  # not the whole answer: the rest was dropped with the socket

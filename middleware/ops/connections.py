@@ -40,6 +40,7 @@ they stand for (``408`` header timeout, ``503`` refused connection), DESIGN.md Â
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -89,12 +90,15 @@ class ConnectionBounds:
 
     ``header_timeout``: seconds to send a complete request head. ``max_connections``: open
     connections per worker (>= 1). ``max_header_bytes``: bytes of one request head (request line,
-    headers, line endings). Raises SettingsError for a value out of range.
+    headers, line endings). ``write_timeout``: seconds a closed connection may keep unsent bytes
+    without the client reading any (``--client-write-timeout``). Raises SettingsError for a value
+    out of range.
     """
 
     header_timeout: float
     max_connections: int
     max_header_bytes: int
+    write_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.header_timeout > 0:
@@ -177,6 +181,7 @@ def connection_options(settings: Settings, nofile: int | None = None) -> dict[st
         header_timeout=settings.header_timeout,
         max_connections=resolve_max_connections(settings, nofile),
         max_header_bytes=settings.max_header_bytes,
+        write_timeout=settings.client_write_timeout,
     )
     return {
         "http": protocol_factory(settings.http, bounds),
@@ -254,7 +259,40 @@ class ConnectionGuard:
             transport.abort()
             return False
         self._arm()
+        self._bound_close(transport)
         return True
+
+    def _bound_close(self, transport: asyncio.Transport) -> None:
+        """Make ``transport.close()`` bounded: a close flushes what is buffered first, and a
+        client that stopped reading (uvicorn closes when the app ends a response it could not
+        finish, e.g. at the write timeout) would keep the socket, its buffer and a connection slot
+        for ever. After a close, every ``write_timeout`` seconds without the buffer shrinking, the
+        transport is aborted instead. A transport that does not allow it (a C implementation) keeps
+        the stock close."""
+        original = transport.close
+
+        def close() -> None:
+            original()
+            pending = transport.get_write_buffer_size()
+            if pending:
+                self.loop.call_later(self.bounds.write_timeout, self._linger, transport, pending)
+
+        with contextlib.suppress(AttributeError):
+            transport.close = close  # type: ignore[method-assign]
+
+    def _linger(self, transport: asyncio.Transport, before: int) -> None:
+        pending = transport.get_write_buffer_size()
+        if pending == 0:
+            return  # flushed: the connection closed normally
+        if pending < before:  # the client is still reading: give it another period
+            self.loop.call_later(self.bounds.write_timeout, self._linger, transport, pending)
+            return
+        _THROTTLE.hit(
+            "client_write_timeout",
+            f"aborted a closed connection whose client read none of its last {pending:,} bytes "
+            f"within --client-write-timeout {self.bounds.write_timeout:g} s",
+        )
+        transport.abort()
 
     def oversized(self, data: bytes, awaiting: bool) -> int | None:
         """Before the parser sees `data`: None when the pending head stays within
