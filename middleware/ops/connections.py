@@ -388,7 +388,53 @@ def _unparsable() -> InvalidRequest:
     )
 
 
-class BoundedH11Protocol(H11Protocol):
+class _Bounded(asyncio.Protocol):
+    """What both bounded protocols share: the guard made in ``__init__`` and the hooks
+    ``connection_made`` (the cap at accept, the header deadline), ``data_received`` (the head size
+    before the parser sees the bytes) and ``connection_lost``. A subclass puts it before uvicorn's
+    protocol in its bases and says when a head is awaited (`_awaiting_head`)."""
+
+    guard: ConnectionGuard
+    server_state: ServerState
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        bounds: ConnectionBounds,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)  # type: ignore[call-arg]
+        self.guard = ConnectionGuard(bounds, self.loop)
+
+    def _awaiting_head(self) -> bool:
+        raise NotImplementedError
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self.guard.admit(transport, len(self.server_state.connections)):
+            super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.guard.answered:
+            return
+        received = self.guard.oversized(data, self._awaiting_head())
+        if received is not None:
+            self.guard.answer(self.guard.too_large(received), self.server_state.default_headers)
+            return
+        super().data_received(data)
+        self.guard.after_data(self._awaiting_head(), upgraded=self.transport.get_protocol() is not self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.cancel()
+        if not self.guard.refused:
+            super().connection_lost(exc)
+
+
+class BoundedH11Protocol(_Bounded, H11Protocol):
     """uvicorn's h11 protocol with the connection bounds (module docstring).
 
     Overrides ``connection_made`` (the cap at accept, the header deadline), ``data_received``
@@ -398,39 +444,8 @@ class BoundedH11Protocol(H11Protocol):
     is over the bound, else 400). ``bounds``: keyword-only, bound by `protocol_factory`.
     """
 
-    def __init__(
-        self,
-        config: Config,
-        server_state: ServerState,
-        app_state: dict[str, Any],
-        _loop: asyncio.AbstractEventLoop | None = None,
-        *,
-        bounds: ConnectionBounds,
-    ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
-        self.guard = ConnectionGuard(bounds, self.loop)
-
     def _awaiting_head(self) -> bool:
         return self.conn.their_state is h11.IDLE
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if self.guard.admit(transport, len(self.server_state.connections)):
-            super().connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if self.guard.answered:
-            return
-        received = self.guard.oversized(data, self._awaiting_head())
-        if received is not None:
-            self.guard.answer(self.guard.too_large(received), self.server_state.default_headers)
-            return
-        super().data_received(data)
-        self.guard.after_data(self._awaiting_head(), upgraded=self.transport.get_protocol() is not self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.guard.cancel()
-        if not self.guard.refused:
-            super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
         buffered = len(self.conn.trailing_data[0])
@@ -439,7 +454,7 @@ class BoundedH11Protocol(H11Protocol):
         self.guard.answer(failure, self.server_state.default_headers)
 
 
-class BoundedHttpToolsProtocol(HttpToolsProtocol):
+class BoundedHttpToolsProtocol(_Bounded, HttpToolsProtocol):
     """uvicorn's httptools protocol with the connection bounds (module docstring).
 
     Overrides ``connection_made``, ``data_received``, ``connection_lost`` and
@@ -448,41 +463,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     read. ``bounds``: keyword-only, bound by `protocol_factory`.
     """
 
-    def __init__(
-        self,
-        config: Config,
-        server_state: ServerState,
-        app_state: dict[str, Any],
-        _loop: asyncio.AbstractEventLoop | None = None,
-        *,
-        bounds: ConnectionBounds,
-    ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
-        self.guard = ConnectionGuard(bounds, self.loop)
-        self._in_head = False
+    _in_head = False  # between on_message_begin and on_headers_complete
 
     def _awaiting_head(self) -> bool:
         idle = not self.pipeline and (self.cycle is None or self.cycle.response_complete)
         return self._in_head or idle
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if self.guard.admit(transport, len(self.server_state.connections)):
-            super().connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if self.guard.answered:
-            return
-        received = self.guard.oversized(data, self._awaiting_head())
-        if received is not None:
-            self.guard.answer(self.guard.too_large(received), self.server_state.default_headers)
-            return
-        super().data_received(data)
-        self.guard.after_data(self._awaiting_head(), upgraded=self.transport.get_protocol() is not self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.guard.cancel()
-        if not self.guard.refused:
-            super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
         self.guard.answer(_unparsable(), self.server_state.default_headers)
