@@ -56,7 +56,9 @@ class Limits:
 
     @property
     def request_body_clamp(self) -> int:
-        """Largest raw request body read, in bytes: ``max_retained_bytes // 32`` (DESIGN.md §3)."""
+        """The reference charge model's raw body clamp, in bytes: ``max_retained_bytes // 32``
+        (DESIGN.md §3). The gateway reads up to its configured model's clamp instead,
+        `budget.ChargeModel.body_clamp` (``limit * 2 // 3`` for the measured default)."""
         return self.max_retained_bytes // 32
 
     @property
@@ -66,6 +68,7 @@ class Limits:
 
 
 def upstream_body_clamp(max_retained_bytes: int) -> int:
-    """Largest buffered upstream body read for a ledger of `max_retained_bytes`, in bytes:
-    ``max_retained_bytes // 8`` (DESIGN.md §3; the gateway's reader takes it from its ledger)."""
+    """The reference charge model's buffered upstream clamp for a ledger of `max_retained_bytes`,
+    in bytes: ``max_retained_bytes // 8`` (DESIGN.md §3). The gateway's reader takes its ledger's
+    model's clamp, `budget.ChargeModel.upstream_clamp`."""
     return max_retained_bytes // 8

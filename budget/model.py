@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Final
 
 from .errors import ConfigError
+from .limits import upstream_body_clamp
 
 if TYPE_CHECKING:
     from .features import JsonFeatures
@@ -360,7 +361,7 @@ class ChargeModel:
         """Largest buffered upstream body read under ``limit``, in bytes (reference:
         ``limit // 8``, DESIGN.md §3; measured: ``limit * 2 // 5``, its smallest output price)."""
         if self.parse is None:
-            return limit // 8
+            return upstream_body_clamp(limit)
         return limit * 2 // 5
 
     def reserve_per_byte(self) -> int:
