@@ -65,6 +65,7 @@ def fds(pid: int) -> int:
 
 
 async def scrape(session: aiohttp.ClientSession, base: str) -> str:
+    """The gateway's ``/metrics`` text ("" when it does not answer within 5 s)."""
     with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
         async with session.get(base + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
             return await resp.text()
@@ -83,6 +84,7 @@ def cap_hits(text: str) -> dict[str, float]:
 
 
 def request_bytes(port: int, body: dict[str, Any], key: str) -> bytes:
+    """One complete ``POST /v1/responses`` (head and JSON body) with API key ``key``."""
     raw = json.dumps(body).encode()
     return (
         f"POST /v1/responses HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nauthorization: Bearer {key}\r\n"
