@@ -721,13 +721,16 @@ def test_a_timed_out_call_discards_its_session_and_the_calls_sharing_it_finish()
         async def scenario() -> None:
             resolved = await catalog.resolve([mcp_tool()])
             opened = catalog.pool.stats().opened
+            # Per-call timeout 2 s, window 2: "a" runs 0-0.8 s, then "b" runs 0.8-2.2 s, so "b" is in
+            # flight when "hang" times out at 2 s. Each sleeper has >= 0.6 s of slack before its own
+            # timeout (a loaded CI box once made a 0.25 s sleep miss a 0.4 s timeout).
             calls = [
                 call("hang", "slow"),
-                call("a", "sleep", '{"tag": "a", "seconds": 0.25}'),
-                call("b", "sleep", '{"tag": "b", "seconds": 0.25}'),  # in flight when "hang" times out
+                call("a", "sleep", '{"tag": "a", "seconds": 0.8}'),
+                call("b", "sleep", '{"tag": "b", "seconds": 1.4}'),
             ]
             hang, a, b = await run_tool_calls(
-                resolved, calls, ledger=FakeLedger(), timeout=0.4, concurrency=2
+                resolved, calls, ledger=FakeLedger(), timeout=2.0, concurrency=2
             )
             assert hang.outcome == "timeout"
             assert [(o.outcome, o.output) for o in (a, b)] == [("ok", "a"), ("ok", "b")]
