@@ -600,6 +600,14 @@ class Store:
         rows = await self._read(_RESPONSE_TEXT, (response_id, owner))
         return str(rows[0][0]).encode("utf-8") if rows else None
 
+    async def response_status(self, response_id: str, owner: str) -> str | None:
+        """The stored response's status (one of `RESPONSE_STATUSES`), nothing else fetched or
+        decoded; None when unknown or another owner's."""
+        rows = await self._read(
+            "SELECT status FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+        )
+        return str(rows[0][0]) if rows else None
+
     async def delete_response(self, response_id: str, owner: str) -> bool:
         """Delete a response and its items; False when unknown or another owner's. Responses
         continuing from it keep their own items; their chains report it as ``missing_id``.
@@ -753,6 +761,95 @@ class Store:
             "created_at": int(rows[0][1]),
             "metadata": _decode_object(rows[0][2]),
         }
+
+    async def update_conversation(
+        self, conversation_id: str, owner: str, metadata: dict[str, str]
+    ) -> JsonObject | None:
+        """Replace the conversation's ``metadata`` with ``metadata`` (OpenAI's ``POST
+        /v1/conversations/{id}``: the new object replaces the old one, nothing is merged); return
+        the updated conversation object, or None when unknown or another owner's."""
+        rows = await self.backend.run(
+            single(
+                "UPDATE conversations SET metadata = ? WHERE id = ? AND owner = ? RETURNING id, created_at",
+                (encode_json(metadata), conversation_id, owner),
+            ),
+            write=True,
+        )
+        if not rows:
+            return None
+        return {
+            "id": rows[0][0],
+            "object": "conversation",
+            "created_at": int(rows[0][1]),
+            "metadata": dict(metadata),
+        }
+
+    async def conversation_item_size(
+        self, conversation_id: str, owner: str, item_id: str
+    ) -> PageSizes | None:
+        """The size of the visible item ``item_id`` (``input`` or ``output`` role; the first one
+        when several rows share the id) as a one-row `PageSizes` for `load_page`, nothing
+        selected or decoded: ``rows`` is empty when the conversation holds no such item. None
+        when the conversation is unknown or another owner's."""
+        source = _conversation_items(conversation_id)
+
+        def work() -> Work[PageSizes | None]:
+            if not (
+                yield Fetch(
+                    "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+                )
+            ):
+                return None
+            rows = yield Fetch(
+                f"SELECT seq, item_id, size_bytes, node_count FROM {source.table}"
+                f" WHERE {_source_where(source)} AND item_id = ? ORDER BY seq LIMIT 1",
+                [source.key, *source.roles, item_id],
+            )
+            sized = tuple(ItemSize(int(r[0]), str(r[1]), int(r[2]), int(r[3])) for r in rows)
+            return PageSizes(rows=sized, limit=1, source=source)
+
+        return await self.backend.run(work(), write=False)
+
+    async def delete_conversation_item(
+        self, conversation_id: str, owner: str, item_id: str
+    ) -> tuple[JsonObject | None, bool]:
+        """Delete the item ``item_id`` from the conversation, in one transaction: every row of
+        the conversation with that id, shown (``input``, ``output``) and sent upstream
+        (``input``, ``replay``: a response's message, function call or reasoning item is stored
+        once in each role under its own id), so later requests no longer see it. Only an id the
+        list shows can be deleted. A gateway ``mcp_call`` is replayed upstream as a
+        ``function_call`` / ``function_call_output`` pair under other ids: that pair stays.
+
+        Returns ``(conversation, deleted)``: the conversation object (None when the conversation
+        is unknown or another owner's) and whether a shown item with that id was deleted."""
+
+        def work() -> Work[tuple[JsonObject | None, bool]]:
+            rows = yield Fetch(
+                "SELECT id, created_at, metadata FROM conversations WHERE id = ? AND owner = ?",
+                (conversation_id, owner),
+            )
+            if not rows:
+                return None, False
+            conversation = {
+                "id": rows[0][0],
+                "object": "conversation",
+                "created_at": int(rows[0][1]),
+                "metadata": _decode_object(rows[0][2]),
+            }
+            shown = yield Fetch(
+                "SELECT 1 FROM conversation_items WHERE conversation_id = ? AND item_id = ?"
+                " AND role IN ('input', 'output') LIMIT 1",
+                (conversation_id, item_id),
+            )
+            if not shown:
+                return conversation, False
+            yield Fetch(
+                "DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ? RETURNING seq",
+                (conversation_id, item_id),
+            )
+            return conversation, True
+
+        return await self.backend.run(work(), write=True)
 
     async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
         """Delete a conversation and its items; False when unknown or another owner's. The
