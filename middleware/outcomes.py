@@ -87,6 +87,7 @@ CLIENT_CODES: Final = (
     "invalid_request",
     "missing_required_parameter",
     "unknown_parameter",
+    "unsupported_parameter",
     "integer_below_min_value",
     "integer_above_max_value",
     "mcp_server_not_allowed",
