@@ -2,7 +2,8 @@
 
 `create_app(settings)` returns a Starlette app serving ``POST /v1/responses`` (buffered and
 ``"stream": true``; `ResponsesApp` wrapped in `BudgetMiddleware`), the store routes
-(`middleware.store.routes`: ``/v1/responses/{id}``, ``/input_items``, ``/v1/conversations…``),
+(`middleware.store.routes`: ``/v1/responses/{id}``, ``/input_items``, ``/cancel``,
+``/v1/conversations…``),
 ``GET /v1/models``, ``GET /healthz``, ``GET /readyz`` and ``GET /metrics``; every failure of a
 plain route, an unknown path (404) and a wrong method (405, with ``Allow``) is answered by
 `middleware.outcomes`. The upstream HTTP client is created in the lifespan (one per process). Without
@@ -301,6 +302,7 @@ def create_app(
                 retry_after=settings.retry_after,
                 model=ChargeModel.named(settings.charge_model),
                 caller_of=authenticator.caller,
+                client_body_timeout=settings.client_body_timeout,
             ),
         ),
         Route("/healthz", healthz, methods=["GET"]),

@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from budget import Limits
+from budget import ChargeModel, Limits
 from middleware.errors import Unauthenticated
 from middleware.ops.admission import ProcessPool
 from middleware.ops.request_id import RequestIdMiddleware
@@ -38,9 +38,10 @@ T = TypeVar("T")
 
 
 def reads() -> StoreReads:
-    """Store reads admitted at the default limits from a pool too large to refuse them (the
-    admission itself is tests/test_store_reads.py's)."""
-    return StoreReads(limits=Limits(), pool=ProcessPool(1 << 40))
+    """Store reads (and conversation bodies) admitted at the default limits and the gateway's
+    default charge model (measured) from a pool too large to refuse them (the admission itself
+    is tests/test_store_reads.py's and tests/test_conversation_routes.py's)."""
+    return StoreReads(limits=Limits(), pool=ProcessPool(1 << 40), model=ChargeModel.measured())
 
 
 def owner_of(request: Request) -> str:

@@ -38,6 +38,14 @@ Two bounds, both in budget bytes:
   always holds at least one item). What does not fit is a 413 `StoredReadTooLarge` naming the
   setting to raise.
 
+Conversation POST bodies (create, add items, update) are admitted like a create request's body
+(`middleware.store.bodies`): `StoreRead.open_body` reserves from the pool before a byte is read
+(``min(max_retained_bytes, Content-Length × ChargeModel.reserve_per_byte())``, the whole
+``max_retained_bytes`` without a ``Content-Length``) and opens a ledger of ``max_retained_bytes``
+with the store's surcharges (the body is stored); `StoreRead.admit_body` charges the read body
+(``Ledger.admit_input``: 413 ``max_retained_bytes_exceeded`` when it does not fit) before it is
+parsed. The charge is held until the answer is sent.
+
 Refusals, raised for `middleware.outcomes` to answer (the create path's rows, `middleware.asgi.intake`):
 `ShuttingDown` (draining), `Overloaded` (503 ``server_overloaded`` with ``Retry-After``: the pool
 cannot supply the first item now, or the request cap or memory pressure is hit),
@@ -55,9 +63,16 @@ from collections.abc import Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from budget import BudgetExceeded, ChargeModel, Ledger, Limits, PoolExhausted
+from budget import BudgetExceeded, ChargeModel, JsonFeatures, Ledger, Limits, PoolExhausted
 from middleware.asgi.intake import effective_limits
-from middleware.errors import Overloaded, ProcessBudgetExceeded, ShuttingDown, StoredReadTooLarge
+from middleware.errors import (
+    CallerShareFull,
+    CallerShareTooLarge,
+    Overloaded,
+    ProcessBudgetExceeded,
+    ShuttingDown,
+    StoredReadTooLarge,
+)
 from middleware.ops.admission import DRAIN, DrainState, ProcessPool, RequestReservation
 from middleware.store.store import ItemSize, PageSizes
 
@@ -144,8 +159,10 @@ def read_ledger_limit(
 class StoreReads:
     """What every store read of one gateway shares: the server-wide ``limits`` (their
     ``max_retained_bytes`` is the page bound), the admission ``pool``, the ``drain`` state,
-    ``retry_after`` (seconds in a 503) and the charge ``model`` (default: the one a `Ledger`
-    uses when given none, as the create path does)."""
+    ``retry_after`` (seconds in a 503), the charge ``model`` (default: the one a `Ledger`
+    uses when given none, as the create path does), ``caller_of`` (whose pool share a request
+    counts against) and ``client_body_timeout`` (seconds to receive a whole POST body,
+    ``--client-body-timeout``)."""
 
     limits: Limits
     pool: ProcessPool
@@ -153,6 +170,7 @@ class StoreReads:
     retry_after: float = 1.0
     model: ChargeModel = _LEDGER_MODEL
     caller_of: Callable[[Scope, str], str] | None = None
+    client_body_timeout: float = 30.0
 
     def start(self, scope: Scope, owner: str = "") -> StoreRead:
         """A `StoreRead` for the request ``scope`` of ``owner``; `InvalidHeader` for a bad
@@ -221,6 +239,62 @@ class StoreRead:
                 break  # the pool is short now: a shorter page, not a refusal
             count += 1
         return count
+
+    def open_body(self, declared: int | None) -> Ledger:
+        """Admit reading a POST body of ``declared`` bytes (its ``Content-Length``; None when
+        absent) before a byte of it is read: a reservation of ``min(max_retained_bytes,
+        declared × reserve_per_byte)`` (``max_retained_bytes`` when None) and a ledger of
+        ``max_retained_bytes`` with the store's surcharges, returned. Raises `ShuttingDown`,
+        `ProcessBudgetExceeded` / `CallerShareTooLarge` (the reservation is more than the pool /
+        one caller's share of it), `Overloaded` / `CallerShareFull` (no room now)."""
+        pool, model = self.reads.pool, self.reads.model
+        if self.reads.drain.draining:
+            raise ShuttingDown("the gateway is shutting down; retry on another instance", refused=True)
+        limit = self.max_retained_bytes
+        initial = limit if declared is None else min(limit, declared * model.reserve_per_byte())
+        hint = (
+            "send a Content-Length (a body without one reserves max_retained_bytes), "
+            if declared is None
+            else ""
+        )
+        if initial > pool.budget:
+            raise ProcessBudgetExceeded(
+                f"this request would reserve {initial:,} budget bytes, more than this worker's whole pool of "
+                f"{pool.budget:,} (--max-inflight-retained-bytes); {hint}lower loopwarden-max-retained-bytes "
+                "or send less",
+                requested=initial,
+                limit=pool.budget,
+            )
+        if initial > pool.caller_cap:
+            raise CallerShareTooLarge(
+                f"this request would reserve {initial:,} budget bytes, more than one caller's whole share of "
+                f"this worker's pool ({pool.caller_cap:,}, --max-inflight-share-per-caller); {hint}lower "
+                "loopwarden-max-retained-bytes or send less",
+                requested=initial,
+                limit=pool.caller_cap,
+            )
+        reason = pool.refusal(initial)
+        if reason is not None:
+            raise self._overloaded(reason, initial)
+        reason = pool.share_refusal(initial, caller=self.caller)
+        if reason is not None:
+            raise CallerShareFull(
+                f"the gateway refuses this caller for now: {reason}; retry after {self.reads.retry_after:g} s",
+                requested=initial,
+                held=pool.held(self.caller),
+                share=pool.caller_cap,
+            )
+        self.reservation = pool.admit(initial, caller=self.caller)
+        self.ledger = ledger = Ledger(limit, model, store=True, pool=self.reservation)
+        return ledger
+
+    def admit_body(self, raw: bytes, nodes: int, features: JsonFeatures | None) -> None:
+        """Charge the read body ``raw`` (``nodes`` JSON nodes; ``features`` for the measured
+        model) before it is parsed: ``Ledger.admit_input`` with the store's surcharges (raises
+        `budget.BudgetExceeded` / `PoolExhausted` of phase ``input``: 413). Call `open_body`
+        first."""
+        assert self.ledger is not None, "open_body comes first"
+        self.ledger.admit_input(raw, nodes=nodes, features=features)
 
     def respond(self, body: bytes) -> Response:
         """The ``application/json`` answer ``body``; this read stays admitted until it is sent."""

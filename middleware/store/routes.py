@@ -5,24 +5,38 @@
 ==========================================  ==================================================
 ``GET    /v1/responses/{id}``               the stored response object
 ``DELETE /v1/responses/{id}``               ``{"id", "object": "response", "deleted": true}``
+``POST   /v1/responses/{id}/cancel``        400: only background responses can be cancelled, and
+                                            this gateway runs none yet (404 for an unknown id)
 ``GET    /v1/responses/{id}/input_items``   the response's input items, a cursor list
 ``POST   /v1/conversations``                create (``{"items": [...], "metadata": {...}}``)
 ``GET    /v1/conversations/{id}``           the conversation object
+``POST   /v1/conversations/{id}``           update: ``{"metadata": {...} | null}`` replaces the
+                                            metadata (null clears it); the conversation object
 ``DELETE /v1/conversations/{id}``           ``{"id", "object": "conversation.deleted", "deleted": true}``
 ``GET    /v1/conversations/{id}/items``     the conversation's items, a cursor list
 ``POST   /v1/conversations/{id}/items``     append (``{"items": [...]}``), the appended items as a list
+``GET    /v1/conversations/{id}/items/{i}`` one item, as the list shows it
+``DELETE /v1/conversations/{id}/items/{i}`` delete it (`Store.delete_conversation_item`); the
+                                            conversation object, as OpenAI answers
 ==========================================  ==================================================
+
+One route per path: a wrong method is 405 ``method_not_allowed`` with ``Allow`` naming every
+method of the path.
 
 Cursor lists take ``after`` (an item id), ``limit`` (1..=100, default 20) and ``order``
 (``asc``/``desc``, default ``desc``) and answer ``{"object": "list", "data", "first_id",
 "last_id", "has_more"}`` (``first_id``/``last_id`` null when empty), as the official SDKs page them.
 
-Reads are admitted (`middleware.store.reads`, issue 15): the three ``GET`` routes that return
+Reads are admitted (`middleware.store.reads`, issue 15): the four ``GET`` routes that return
 stored items or a stored response reserve from the worker's admission pool and charge a
-per-request ledger from the sizes measured at write time before a row is fetched or decoded;
+per-request ledger from the sizes measured at write time before a row is fetched or decoded (one
+item is charged as a page of one);
 cursor pages are bounded by bytes as well as by count (``has_more`` when a page stops at the byte
 bound; a page always holds at least one item). ``GET /v1/conversations/{id}`` (metadata of at most
-16 short pairs) and the ``DELETE`` routes read nothing unbounded and are not admitted.
+16 short pairs), ``cancel`` (a status) and the ``DELETE`` routes read nothing unbounded and are
+not admitted. The three POST routes' bodies are admitted like a create body
+(`middleware.store.bodies`): body clamp, reservation, node counting and depth cap, ledger charge
+before parsing, held until the answer is sent.
 
 Ownership: ``owner_of(request)`` names the caller (a hash of its API key; authentication is done
 before these routes run); another owner's objects answer 404 exactly like unknown ids.
@@ -39,8 +53,9 @@ envelope), the one renderer:
   ``Retry-After``; `ProcessBudgetExceeded` — 413; `StoredReadTooLarge` — 413
   ``max_retained_bytes_exceeded``; `ShuttingDown` — 503; `InvalidHeader` — 400 ``invalid_header``;
 * `BodyTooLarge` — 413 ``request_too_large`` with ``Connection: close``, for POST bodies over
-  ``max_body_bytes`` (1 MiB): refused from ``Content-Length`` without reading, or as soon as the
-  streamed body passes the limit;
+  ``max_body_bytes`` (1 MiB) or the charge model's body clamp, whichever is smaller: refused from
+  ``Content-Length`` without reading, or as soon as the streamed body passes the limit;
+  `BodyTimeout` — 408; `budget.BudgetExceeded` / `PoolExhausted` of a body — 413;
 * the store's `StoreUnavailable` — 503 ``store_unavailable`` when the database fails;
 * anything else is a bug: 500 ``internal_error``.
 
@@ -57,9 +72,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from budget import JsonRejected, loads_strict
 from middleware import outcomes
-from middleware.errors import BodyTooLarge, InvalidRequest, NotFound
+from middleware.errors import InvalidRequest, NotFound
+from middleware.store.bodies import read_json_body
 from middleware.store.reads import StoreRead, StoreReads
 from middleware.store.store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, UnknownCursor, encode_json
 
@@ -124,34 +139,9 @@ def _page_args(request: Request) -> tuple[str | None, int, Order]:
     _bad(f"Invalid 'order': expected 'asc' or 'desc', got '{order}'.", "order")
 
 
-async def _read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object (``{}`` when empty): `BodyTooLarge` past ``max_bytes`` (bytes),
-    `InvalidRequest` when it is not a JSON object."""
-    declared = request.headers.get("content-length")
-    too_large = (
-        f"request body is over the {max_bytes} byte limit of this endpoint; send fewer or smaller items"
-    )
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLarge(too_large, size=int(declared), clamp=max_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise BodyTooLarge(too_large, size=len(body), clamp=max_bytes)
-    if not body.strip():
-        return {}
-    try:
-        value = loads_strict(body)
-    except JsonRejected as exc:
-        raise InvalidRequest(exc.message, code=exc.code, param=exc.param) from None
-    if not isinstance(value, dict):
-        _bad("The request body must be a JSON object.", None, "invalid_type")
-    return value
-
-
 def _page_body(page: Page) -> bytes:
     """A page as its JSON answer: compact UTF-8, as Starlette's `JSONResponse` renders it."""
-    return encode_json(page.to_json()).encode("utf-8")
+    return _json(page.to_json())
 
 
 def _check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
@@ -281,12 +271,12 @@ def store_routes(
             _not_found("Response", response_id)
         return _page_body(await store.load_page(sizes, read.admit_page(sizes)))
 
-    async def create_conversation(request: Request, store: Store, owner: str) -> Response:
-        body = await _read_json_object(request, max_body_bytes)
+    async def create_conversation(request: Request, store: Store, owner: str, read: StoreRead) -> bytes:
+        body = await read_json_body(request, read, max_body_bytes)
         _check_fields(body, ("items", "metadata"))
         items = _items(body.get("items"), required=False)
         metadata = _metadata(body.get("metadata"))
-        return JSONResponse(await store.create_conversation(owner, items=items, metadata=metadata))
+        return _json(await store.create_conversation(owner, items=items, metadata=metadata))
 
     async def get_conversation(request: Request, store: Store, owner: str) -> Response:
         conversation_id = request.path_params["conversation_id"]
@@ -311,32 +301,99 @@ def store_routes(
             _not_found("Conversation", conversation_id)
         return _page_body(await store.load_page(sizes, read.admit_page(sizes)))
 
-    async def add_conversation_items(request: Request, store: Store, owner: str) -> Response:
+    async def add_conversation_items(request: Request, store: Store, owner: str, read: StoreRead) -> bytes:
         conversation_id = request.path_params["conversation_id"]
-        body = await _read_json_object(request, max_body_bytes)
+        body = await read_json_body(request, read, max_body_bytes)
         _check_fields(body, ("items",))
         items = _items(body.get("items"), required=True)
         added = await store.add_conversation_items(conversation_id, owner, items)
         if added is None:
             _not_found("Conversation", conversation_id)
-        page = Page(added, added[0]["id"], added[-1]["id"], has_more=False)
-        return JSONResponse(page.to_json())
+        return _json(Page(added, added[0]["id"], added[-1]["id"], has_more=False).to_json())
 
+    async def update_conversation(request: Request, store: Store, owner: str, read: StoreRead) -> bytes:
+        conversation_id = request.path_params["conversation_id"]
+        body = await read_json_body(request, read, max_body_bytes)
+        _check_fields(body, ("metadata",))
+        if "metadata" not in body:
+            _bad("Missing required parameter: 'metadata'.", "metadata", "missing_required_parameter")
+        updated = await store.update_conversation(conversation_id, owner, _metadata(body["metadata"]))
+        if updated is None:
+            _not_found("Conversation", conversation_id)
+        return _json(updated)
+
+    async def get_conversation_item(request: Request, store: Store, owner: str, read: StoreRead) -> bytes:
+        conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
+        sizes = await store.conversation_item_size(conversation_id, owner, item_id)
+        if sizes is None:
+            _not_found("Conversation", conversation_id)
+        page = await store.load_page(sizes, read.admit_page(sizes)) if sizes.rows else None
+        if page is None or not page.data:  # no such item, or deleted meanwhile
+            _not_found("Item", item_id)
+        return _json(page.data[0])
+
+    async def delete_conversation_item(request: Request, store: Store, owner: str) -> Response:
+        conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
+        conversation, deleted = await store.delete_conversation_item(conversation_id, owner, item_id)
+        if conversation is None:
+            _not_found("Conversation", conversation_id)
+        if not deleted:
+            _not_found("Item", item_id)
+        return JSONResponse(conversation)
+
+    async def cancel_response(request: Request, store: Store, owner: str) -> Response:
+        response_id = request.path_params["response_id"]
+        status = await store.response_status(response_id, owner)
+        if status is None:
+            _not_found("Response", response_id)
+        raise InvalidRequest(
+            f"Only responses created with background=true can be cancelled; the response '{response_id}' "
+            f"ran in the foreground (it is {status}), so there is nothing to cancel. A foreground request "
+            "stops when its client closes the connection; this gateway does not run background responses yet.",
+            code="invalid_request",
+        )
+
+    conversation = "/v1/conversations/{conversation_id}"
     return [
-        Route("/v1/responses/{response_id}", endpoint(reading(get_response)), methods=["GET"]),
-        Route("/v1/responses/{response_id}", endpoint(delete_response), methods=["DELETE"]),
-        Route(
-            "/v1/responses/{response_id}/input_items", endpoint(reading(list_input_items)), methods=["GET"]
+        _by_method(
+            "/v1/responses/{response_id}",
+            GET=endpoint(reading(get_response)),
+            DELETE=endpoint(delete_response),
         ),
-        Route("/v1/conversations", endpoint(create_conversation), methods=["POST"]),
-        Route("/v1/conversations/{conversation_id}", endpoint(get_conversation), methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}", endpoint(delete_conversation), methods=["DELETE"]),
-        Route(
-            "/v1/conversations/{conversation_id}/items",
-            endpoint(reading(list_conversation_items)),
-            methods=["GET"],
+        _by_method("/v1/responses/{response_id}/input_items", GET=endpoint(reading(list_input_items))),
+        _by_method("/v1/responses/{response_id}/cancel", POST=endpoint(cancel_response)),
+        _by_method("/v1/conversations", POST=endpoint(reading(create_conversation))),
+        _by_method(
+            conversation,
+            GET=endpoint(get_conversation),
+            POST=endpoint(reading(update_conversation)),
+            DELETE=endpoint(delete_conversation),
         ),
-        Route(
-            "/v1/conversations/{conversation_id}/items", endpoint(add_conversation_items), methods=["POST"]
+        _by_method(
+            conversation + "/items",
+            GET=endpoint(reading(list_conversation_items)),
+            POST=endpoint(reading(add_conversation_items)),
+        ),
+        _by_method(
+            conversation + "/items/{item_id}",
+            GET=endpoint(reading(get_conversation_item)),
+            DELETE=endpoint(delete_conversation_item),
         ),
     ]
+
+
+def _json(value: object) -> bytes:
+    """``value`` as a JSON answer body: compact UTF-8, as Starlette's `JSONResponse` renders it."""
+    return encode_json(value).encode("utf-8")
+
+
+def _by_method(path: str, **handlers: Callable[[Request], Awaitable[Response]]) -> Route:
+    """One route for ``path`` serving each method of ``handlers`` (``GET=...``; ``HEAD`` is
+    served by ``GET``): a wrong method is a 405 whose ``Allow`` names every method of the path
+    (Starlette's separate routes per method would name only the first route's)."""
+
+    async def dispatch(request: Request) -> Response:
+        method = "GET" if request.method == "HEAD" else request.method
+        return await handlers[method](request)
+
+    return Route(path, dispatch, methods=list(handlers))
