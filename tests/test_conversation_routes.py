@@ -413,3 +413,28 @@ def test_a_body_not_received_within_the_timeout_is_408() -> None:
         assert status == 408 and body["error"]["code"] == "request_timeout", body
         assert time.monotonic() - started < 8.0
         assert settled(lambda: pool.requests == 0)
+
+
+@pytest.mark.parametrize("token", [b"{}", b"[[]]", b'"x"', b"0.5", b'{"type":"input_text","text":"abc"}'])
+def test_the_body_charge_covers_what_an_add_items_call_retains(token: bytes) -> None:
+    """Soundness of the body's one charge (measured model, store on) for the copies an add-items
+    call holds at once: the raw body, the parsed items, the store's encoded projection and the
+    answer's items and encoding (measured with tracemalloc; the charge is also at most 2 × it)."""
+    import tracemalloc
+
+    from budget import loads_strict
+    from middleware.store.store import _prepare, encode_json, present_item
+
+    raw = bomb(token, MiB - 64)
+    charge = Ledger(1 << 40, MODEL, store=True).admit_input(raw)
+    tracemalloc.start()
+    try:
+        body = bytes(bytearray(raw))
+        items = loads_strict(body)["items"]
+        prepared = [_prepare(item) for item in items]
+        shown = [present_item(item, p.item_id) for item, p in zip(items, prepared, strict=True)]
+        answer = encode_json({"object": "list", "data": shown}).encode("utf-8")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert answer and peak <= charge <= 2 * peak, (peak, charge)
