@@ -12,6 +12,8 @@ adds those variants to the spec's unions (``ItemField``, ``Tool``) as schemas th
 the ``x-openai-sdk`` keyword, to the installed ``openai`` SDK's pydantic types; every other
 value is checked against the spec alone.
 
+One erratum is patched (see `_document`): ``JsonSchemaResponseFormat.schema`` admits a schema object.
+
 HTTP error bodies have no schema in the spec's paths: the spec's text (Errors) gives the envelope
 ``{"error": {"message", "type", "param", "code"}}``, checked here as ``{"error": ErrorPayload}``.
 """
@@ -91,7 +93,9 @@ def _sdk_adapters() -> dict[str, TypeAdapter[Any]]:
 SDK_ITEMS = ("mcp_list_tools", "mcp_call", "mcp_approval_request", "mcp_approval_response")
 
 
-def _sdk_keyword(validator: Any, name: str, instance: Any, schema: Any) -> Iterator[jsonschema.ValidationError]:
+def _sdk_keyword(
+    validator: Any, name: str, instance: Any, schema: Any
+) -> Iterator[jsonschema.ValidationError]:
     """``x-openai-sdk: NAME``: the instance must validate as the SDK type registered under NAME."""
     try:
         _sdk_adapters()[name].validate_python(instance, strict=False)
@@ -110,7 +114,8 @@ def _sdk_variant(kinds: Iterable[str]) -> dict[str, Any]:
         "required": ["type"],
         "properties": {"type": {"enum": kinds}},
         "allOf": [
-            {"if": {"properties": {"type": {"const": kind}}}, "then": {"x-openai-sdk": kind}} for kind in kinds
+            {"if": {"properties": {"type": {"const": kind}}}, "then": {"x-openai-sdk": kind}}
+            for kind in kinds
         ],
     }
 
@@ -125,6 +130,11 @@ def _document() -> dict[str, Any]:
     schemas["OpenAISdkMcpTool"] = _sdk_variant(["mcp"])
     schemas["ItemField"]["oneOf"].append({"$ref": "#/components/schemas/OpenAISdkMcpItem"})
     schemas["Tool"]["oneOf"].append({"$ref": "#/components/schemas/OpenAISdkMcpTool"})
+    # Erratum: the published JsonSchemaResponseFormat allows only null as "schema" (its anyOf lost
+    # the object branch), so no echoed json_schema format could validate; accept a JSON Schema.
+    schemas["JsonSchemaResponseFormat"]["properties"]["schema"] = {
+        "anyOf": [{"type": "object"}, {"type": "null"}]
+    }
     schemas["HttpErrorEnvelope"] = {
         "type": "object",
         "required": ["error"],
@@ -153,6 +163,11 @@ def event_schemas() -> dict[str, str]:
         if name.endswith("StreamingEvent") and kind.get("enum"):
             out[kind["enum"][0]] = name
     return out
+
+
+def known_event(kind: str) -> bool:
+    """Whether `kind` is a streaming event type of the spec or an OpenAI MCP event."""
+    return kind in event_schemas() or kind in _sdk_adapters()
 
 
 def errors(name: str, instance: Any) -> list[str]:

@@ -215,8 +215,14 @@ def test_required_calls_the_first_matching_tool_else_the_first_tool(client: Open
 
 
 def test_allowed_tools_restrict_the_choice(client: OpenAI) -> None:
-    choice: Any = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "calculate"}]}
-    response = client.responses.create(model="dev", input="call get_time 1+1", tools=TOOLS, tool_choice=choice)
+    choice: Any = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "calculate"}],
+    }
+    response = client.responses.create(
+        model="dev", input="call get_time 1+1", tools=TOOLS, tool_choice=choice
+    )
     assert calls(response) == [("calculate", {"expression": "1+1"})]
 
 

@@ -50,6 +50,7 @@ ECHO_DEFAULTS: Final[dict[str, object]] = {
     "tool_choice": "auto",
     "text": {"format": {"type": "text"}},
 }
+_NULL_ALLOWED: Final = frozenset({"metadata"})  # no type in the spec: null is kept, absence filled
 _VERBOSITY: Final = ("low", "medium", "high")
 _FUNCTION_TOOL_DEFAULTS: Final = (("description", None), ("parameters", None), ("strict", True))
 
@@ -76,7 +77,8 @@ def _default(field: str, request: dict[str, Any]) -> object:
 def _fill_text(text: object, request: dict[str, Any]) -> object:
     """``text`` with a non-null ``format`` and a valid ``verbosity`` (the request's, else defaults);
     the same object when nothing was missing."""
-    sent = request.get("text") if isinstance(request.get("text"), dict) else {}
+    raw = request.get("text")
+    sent: dict[str, Any] = raw if isinstance(raw, dict) else {}
     if not isinstance(text, dict):
         text = {}
     out = text
@@ -99,14 +101,15 @@ def normalise_response(response: dict[str, Any], request: dict[str, Any]) -> boo
     """Fill `response`'s missing echo fields in place (see the module docstring); return whether
     anything changed. Also fills the non-echo fields the spec requires when they are absent
     (``object``, ``created_at`` now, ``model`` the request's, ``output`` [], ``completed_at``,
-    ``incomplete_details``, ``error`` and ``usage`` null) and gives ``tools`` (the request's
+    ``incomplete_details``, ``error`` and ``usage`` null; a ``usage`` object gets the token counts
+    and details it lacks, as 0) and gives ``tools`` (the request's
     when the upstream sent none) the function-tool defaults of `echo_tool`. ``id`` and
     ``status`` are the caller's. Never raises on odd upstream values: they are replaced."""
     before = len(response)
     changed = False
     for field, value in ECHO_DEFAULTS.items():
         current = response.get(field, _NULL)
-        if current is _NULL or (current is None and value is not _NULL):
+        if current is _NULL or (current is None and value is not _NULL and field not in _NULL_ALLOWED):
             response[field] = _default(field, request)
             changed = True
     for field, fill in (
@@ -119,7 +122,8 @@ def normalise_response(response: dict[str, Any], request: dict[str, Any]) -> boo
     changed |= _fill_resource(response, request)
     tools = response.get("tools")
     if not isinstance(tools, list):
-        tools = request.get("tools") if isinstance(request.get("tools"), list) else []
+        sent = request.get("tools")
+        tools = sent if isinstance(sent, list) else []
         changed = True
     echoed = [echo_tool(tool) for tool in tools]
     if changed or any(new is not old for new, old in zip(echoed, tools, strict=True)):
@@ -150,4 +154,32 @@ def _fill_resource(response: dict[str, Any], request: dict[str, Any]) -> bool:
         if field not in response:
             response[field] = None
             changed = True
+    usage = response["usage"]
+    if isinstance(usage, dict):
+        filled = _fill_usage(usage)
+        if filled is not usage:
+            response["usage"] = filled
+            changed = True
     return changed
+
+
+_USAGE_DETAILS: Final = (
+    ("input_tokens_details", "cached_tokens"),
+    ("output_tokens_details", "reasoning_tokens"),
+)
+
+
+def _fill_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """``usage`` with the token counts and details the spec requires (0 when absent); the same
+    object when nothing was missing."""
+    out = usage
+    for field in ("input_tokens", "output_tokens"):
+        if not isinstance(out.get(field), int):
+            out = {**out, field: 0}
+    if not isinstance(out.get("total_tokens"), int):
+        out = {**out, "total_tokens": out["input_tokens"] + out["output_tokens"]}
+    for field, count in _USAGE_DETAILS:
+        details = out.get(field)
+        if not isinstance(details, dict) or not isinstance(details.get(count), int):
+            out = {**out, field: {**(details if isinstance(details, dict) else {}), count: 0}}
+    return out
