@@ -9,6 +9,7 @@ and events are checked against the installed ``openai`` SDK's types (a documente
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 
 from middleware.app import create_app
 from middleware.config import Settings
+from middleware.dev.devmodel import build_response
 from tests import spec_schema
 from tests.helpers import DONE, FC, PRE, gateway, message_item, response_obj, sse_events
 from tests.mcp_servers import Probe, build_tools_server, serve_mcp
@@ -259,6 +261,17 @@ def test_passthrough_minimal_upstream_is_completed_from_the_request(upstream: Mo
     for response in (answer, events[0][1]["response"], events[-1][1]["response"]):
         assert (response["presence_penalty"], response["temperature"]) == (0.5, 1.0)
         assert response["tools"] == [{**tool, "description": None, "strict": True}]
+
+
+def test_a_complete_upstream_body_is_forwarded_byte_for_byte(upstream: MockUpstream) -> None:
+    request = {"model": "m", "input": "hi", "store": False, "tools": [WEATHER]}
+    complete = build_response(request)
+    spec_schema.assert_response(complete)
+    wire = json.dumps(complete, separators=(",", ":")).encode()
+    upstream.push(Reply.json(wire))
+    with gateway(upstream) as (url, _):
+        answer = post(url, request)
+    assert answer.status_code == 200 and answer.content == wire
 
 
 def test_upstream_failures_conform_before_and_after_commit(upstream: MockUpstream) -> None:
