@@ -21,9 +21,9 @@ from middleware.app import create_app
 from middleware.config import Settings
 from middleware.dev.devmodel import build_response
 from tests import spec_schema
-from tests.helpers import DONE, FC, PRE, gateway, message_item, response_obj, sse_events
+from tests.helpers import DONE, FC, PRE, gateway, message_item, response_obj, sse_events, text_delta
 from tests.mcp_servers import Probe, build_tools_server, serve_mcp
-from tests.mock_upstream import RST, MockUpstream, Reply, cassettes_dir, load_cassette
+from tests.mock_upstream import RST, E, MockUpstream, Reply, cassettes_dir, load_cassette
 from tests.servers import serve_asgi
 
 DEMO = {"type": "mcp", "server_label": "demo", "require_approval": "never"}
@@ -73,6 +73,10 @@ def streamed(url: str, body: dict[str, Any]) -> list[tuple[str, Any]]:
 
 CASES: dict[str, dict[str, Any]] = {
     "basic": {"model": "dev", "input": "Say hello in exactly 3 words."},
+    "basic item": {
+        "model": "dev",
+        "input": [{"type": "message", "role": "user", "content": "Count from 1 to 5."}],
+    },
     "system prompt": {
         "model": "dev",
         "input": [
@@ -92,6 +96,7 @@ CASES: dict[str, dict[str, Any]] = {
                 "content": [
                     {"type": "input_text", "text": "What do you see?"},
                     {"type": "input_image", "image_url": PIXEL},
+                    {"type": "input_image", "image_url": "https://example.com/logo.png", "detail": "low"},
                 ],
             }
         ],
@@ -290,6 +295,45 @@ def test_upstream_failures_conform_before_and_after_commit(upstream: MockUpstrea
         "response.failed",
     ]
     assert events[-1][1]["response"]["error"]["code"] == "upstream_incomplete"
+
+
+UPSTREAM_ERROR = E(
+    "error", {"type": "error", "sequence_number": 2, "code": "server_is_overloaded", "message": "busy"}
+)
+BIG_DELTA = text_delta(2, "x" * 300_000)
+
+
+@pytest.mark.parametrize(
+    ("parts", "code"),
+    [
+        ([*PRE(), UPSTREAM_ERROR], "server_is_overloaded"),
+        ([*PRE(), BIG_DELTA], "max_retained_bytes_exceeded"),
+    ],
+    ids=["upstream-error-event", "ledger-overflow"],
+)
+@pytest.mark.parametrize("store", [False, True], ids=["passthrough", "store"])
+def test_failures_after_commit_are_an_error_event_and_a_complete_failed_response(
+    upstream: MockUpstream, parts: list[bytes], code: str, store: bool
+) -> None:
+    upstream.push(Reply.sse(parts))
+    body = {"model": "m", "input": "hi", "store": store, "temperature": 0.3}
+    with gateway(upstream) as (url, _):
+        events = streamed(url, body)
+    (_, error), (_, failed) = events[-2:]
+    assert error["type"] == "error" and error["error"]["code"] == code and error["code"] == code
+    response = failed["response"]
+    assert (response["status"], response["error"]["code"], response["temperature"]) == ("failed", code, 0.3)
+
+
+@pytest.mark.parametrize("status", [400, 429, 503])
+def test_upstream_error_answers_become_conforming_envelopes(upstream: MockUpstream, status: int) -> None:
+    envelope = {"error": {"message": "nope", "type": "invalid_request_error", "code": None, "param": None}}
+    upstream.push(Reply.json(envelope, status=status))
+    with gateway(upstream) as (url, _):
+        answer = post(url, {"model": "m", "input": "hi", "store": False})
+    assert answer.status_code == (status if status < 500 else 502)
+    spec_schema.assert_error_envelope(answer.json())
+    assert answer.json()["error"]["type"] == ("invalid_request_error" if status < 500 else "server_error")
 
 
 # -- recorded traffic ---------------------------------------------------------------------------
