@@ -326,6 +326,7 @@ def normalised(raw: bytes) -> list[tuple[str, Any]]:
     for name, data in sse_events(raw):
         if isinstance(data.get("response"), dict):
             data["response"]["id"] = "resp_gw"
+            data["response"]["created_at"] = 0  # filled with "now" when the upstream omits it
         out.append((name, data))
     return out
 

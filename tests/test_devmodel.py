@@ -175,12 +175,72 @@ def test_expression_argument_is_the_arithmetic_in_the_text(client: OpenAI) -> No
     )
 
 
-def test_parallel_calls_follow_tools_order(client: OpenAI) -> None:
+def test_one_call_to_the_first_declared_matching_tool(client: OpenAI) -> None:
     text = "calculate (2 + 3) * 4 and call get_time"
     response = client.responses.create(model="dev", input=text, tools=TOOLS)
-    assert calls(response) == [("get_time", {}), ("calculate", {"expression": "(2 + 3) * 4"})]
-    single = client.responses.create(model="dev", input=text, tools=TOOLS, parallel_tool_calls=False)
-    assert calls(single) == [("get_time", {})]
+    assert calls(response) == [("get_time", {})]  # first in `tools` order, not in the text
+    reversed_tools: Any = [CALCULATE, GET_TIME]
+    response = client.responses.create(model="dev", input=text, tools=reversed_tools)
+    assert calls(response) == [("calculate", {"expression": "(2 + 3) * 4"})]
+
+
+WEATHER: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("What's the WEATHER like in Paris?", ["get_weather"]),  # a description word, any case
+        ("which city is largest?", ["get_weather"]),
+        ("weatherman", []),  # whole words only
+        ("hello there", []),
+    ],
+)
+def test_a_word_of_the_description_calls_the_tool(client: OpenAI, text: str, expected: list[str]) -> None:
+    response = client.responses.create(model="dev", input=text, tools=[WEATHER])
+    assert [name for name, _ in calls(response)] == expected
+
+
+def test_required_calls_the_first_matching_tool_else_the_first_tool(client: OpenAI) -> None:
+    tools: Any = [GET_TIME, WEATHER]
+    matched = client.responses.create(model="dev", input="weather?", tools=tools, tool_choice="required")
+    unmatched = client.responses.create(model="dev", input="hello", tools=tools, tool_choice="required")
+    assert [name for name, _ in calls(matched)] == ["get_weather"]
+    assert [name for name, _ in calls(unmatched)] == ["get_time"]
+
+
+def test_allowed_tools_restrict_the_choice(client: OpenAI) -> None:
+    choice: Any = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "calculate"}],
+    }
+    response = client.responses.create(
+        model="dev", input="call get_time 1+1", tools=TOOLS, tool_choice=choice
+    )
+    assert calls(response) == [("calculate", {"expression": "1+1"})]
+
+
+def test_response_object_is_spec_complete(client: OpenAI) -> None:
+    raw = client.responses.with_raw_response.create(model="dev", input="hi", tools=TOOLS, top_logprobs=3)
+    body = json.loads(raw.text)
+    assert {
+        key: body[key]
+        for key in (
+            "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_logprobs",
+            "safety_identifier", "prompt_cache_key", "service_tier", "truncation",
+        )
+    } == {
+        "temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "top_logprobs": 3, "safety_identifier": None, "prompt_cache_key": None,
+        "service_tier": "default", "truncation": "disabled",
+    }  # fmt: skip
+    assert [(t["description"], t["strict"]) for t in body["tools"]] == [(None, True), (None, True)]
 
 
 def test_schema_types_get_fixed_values(client: OpenAI) -> None:
@@ -206,11 +266,14 @@ def test_schema_types_get_fixed_values(client: OpenAI) -> None:
 
 
 def test_tool_results_are_summarised(client: OpenAI) -> None:
-    first = client.responses.create(model="dev", input="call get_time and calculate 6*7", tools=TOOLS)
-    time_call, calc_call = (item for item in first.output if item.type == "function_call")
+    first = client.responses.create(model="dev", input="call get_time", tools=TOOLS)
+    second = client.responses.create(model="dev", input="calculate 6*7", tools=TOOLS)
+    [time_call] = (item for item in first.output if item.type == "function_call")
+    [calc_call] = (item for item in second.output if item.type == "function_call")
     items: Any = [
         {"role": "user", "content": "call get_time and calculate 6*7"},
-        *[item.to_dict() for item in first.output],
+        time_call.to_dict(),
+        calc_call.to_dict(),
         {"type": "function_call_output", "call_id": time_call.call_id, "output": "2026-11-30T01:00:00Z"},
         {
             "type": "function_call_output",
@@ -304,13 +367,13 @@ def test_raw_function_call_stream_events(client: OpenAI) -> None:
     assert done.item.arguments == '{"expression":"6*7"}' and done.item.call_id == added.item.call_id
 
 
-def test_stream_helper_accepts_parallel_function_calls(client: OpenAI) -> None:
-    with client.responses.stream(model="dev", input="call get_time and calculate 6*7", tools=TOOLS) as stream:
+def test_stream_helper_accepts_a_function_call(client: OpenAI) -> None:
+    with client.responses.stream(model="dev", input="calculate 6*7", tools=TOOLS) as stream:
         events = list(stream)
         final = stream.get_final_response()
     assert [event.sequence_number for event in events] == list(range(len(events)))
-    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
-    assert calls(final) == [("get_time", {}), ("calculate", {"expression": "6*7"})]
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0]
+    assert calls(final) == [("calculate", {"expression": "6*7"})]
 
 
 # --- max_output_tokens -----------------------------------------------------------------------------

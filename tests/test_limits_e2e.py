@@ -541,6 +541,7 @@ def stream_via_gateway(upstream: MockUpstream, parts: list[Any]) -> list[dict[st
         if isinstance(event.get("response"), dict):
             assert event["response"]["id"].startswith("resp_")
             event["response"]["id"] = "resp_gateway"
+            event["response"]["created_at"] = 0  # filled with "now" when the upstream omits it
     return events
 
 

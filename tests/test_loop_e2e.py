@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import threading
 import time
@@ -19,6 +20,7 @@ import openai
 import pytest
 from mcp.server.mcpserver import MCPServer
 
+from middleware.loop.echo import normalise_response
 from tests.helpers import DONE, FC, PRE, MetricDelta, gateway, message_item, response_obj, sdk, sse_events
 from tests.mock_upstream import RST, E, MockUpstream, Reply
 from tests.servers import serve_asgi
@@ -766,7 +768,10 @@ def test_requests_without_gateway_tools_are_untouched_by_the_loop(
         stored = httpx.post(
             url + "/v1/responses", json={"model": "m", "input": "x", "tools": [GET_TIME]}, timeout=10
         )
-    assert stateless.json() == body  # nothing for the gateway to change: forwarded as it is
+    request = {"model": "m", "input": "x", "tools": [GET_TIME], "store": False}
+    complete = copy.deepcopy(body)
+    normalise_response(complete, request)  # only the echo fields the upstream left out are filled
+    assert stateless.json() == complete and stateless.json()["output"] == body["output"]
     assert json.loads(upstream.requests[0].body) == {
         "model": "m",
         "input": "x",

@@ -6,6 +6,7 @@ scripted upstream on a loopback socket replaying cassettes from ../shared/casset
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import threading
@@ -20,6 +21,8 @@ from openai import OpenAI
 
 from middleware.app import create_app
 from middleware.config import Settings
+from middleware.loop.echo import normalise_response
+from middleware.loop.passthrough import NORMALISED_EVENTS
 from tests.mock_upstream import E, MockUpstream, Reply, cassettes_dir, load_cassette
 from tests.servers import serve_asgi
 
@@ -92,11 +95,24 @@ def _unanswered(items: list[Any]) -> list[str]:
     return [i["call_id"] for i in items if i.get("type") == "function_call" and i["call_id"] not in answered]
 
 
-def _client_view(event: dict[str, Any]) -> dict[str, Any]:
+def _client_view(event: dict[str, Any], request: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An event as compared: no sequence number, no gateway-owned response fields; with
+    `request`, a recorded response object as the gateway normalises it (echo fields the
+    upstream left out filled from the request)."""
     out = {k: v for k, v in event.items() if k != "sequence_number"}
     if isinstance(out.get("response"), dict):
-        out["response"] = {k: v for k, v in out["response"].items() if k not in GATEWAY_OWNED | {"output"}}
+        response = copy.deepcopy(out["response"])
+        if request is not None and out.get("type") in NORMALISED_EVENTS:
+            normalise_response(response, request)
+        out["response"] = {k: v for k, v in response.items() if k not in GATEWAY_OWNED | {"output"}}
     return out
+
+
+def _normalised(recorded: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """A recorded buffered body as the gateway answers it (`normalise_response`)."""
+    body = copy.deepcopy(recorded)
+    normalise_response(body, request)
+    return {k: v for k, v in body.items() if k not in GATEWAY_OWNED}
 
 
 @pytest.mark.skipif(CASSETTES is None, reason=SKIP_REASON)
@@ -134,7 +150,7 @@ def test_cassette_replays_with_the_whole_item_chain_upstream(upstream: MockUpstr
                 want = turn.events
                 assert [e["type"] for e in got] == [e.get("type") for e in want]
                 assert [e["sequence_number"] for e in got] == list(range(len(got)))
-                assert [_client_view(e) for e in got] == [_client_view(e) for e in want]
+                assert [_client_view(e) for e in got] == [_client_view(e, params) for e in want]
                 recorded_id = want[-1].get("response", {}).get("id", f"turn{i}")
                 gateway_id = got[-1]["response"]["id"]
                 output = got[-1]["response"]["output"]
@@ -144,9 +160,9 @@ def test_cassette_replays_with_the_whole_item_chain_upstream(upstream: MockUpstr
                 assert raw.status_code == 200
                 parsed = raw.parse()
                 body = raw.http_response.json()
-                assert {k: v for k, v in body.items() if k not in GATEWAY_OWNED} == {
-                    k: v for k, v in turn.body.items() if k not in GATEWAY_OWNED
-                }
+                assert {k: v for k, v in body.items() if k not in GATEWAY_OWNED} == _normalised(
+                    turn.body, params
+                )
                 recorded_id, gateway_id, output = turn.body["id"], parsed.id, body["output"]
             assert gateway_id.startswith("resp_") and gateway_id != recorded_id
             assert output == _recorded_output(turn)
@@ -177,9 +193,7 @@ def test_sse_answer_to_a_buffered_call_is_aggregated(upstream: MockUpstream) -> 
     assert raw.status_code == 200
     body = raw.http_response.json()
     recorded = turn.events[-1]["response"]
-    assert {k: v for k, v in body.items() if k not in GATEWAY_OWNED} == {
-        k: v for k, v in recorded.items() if k not in GATEWAY_OWNED
-    }
+    assert {k: v for k, v in body.items() if k not in GATEWAY_OWNED} == _normalised(recorded, params)
     assert raw.parse().output[0].type == "function_call"
 
 

@@ -13,15 +13,15 @@ Rules, in order:
   and trailing whitespace stripped), and the ``function_call_output`` items after it are the *tool
   results*, each named by the ``function_call`` with the same ``call_id`` in the input (else by the
   ``call_id``). Other items are ignored.
-* **Tool calls.** Only ``{"type": "function", "name": ...}`` tools count. A tool is *mentioned* when the
-  user text contains its name as a word, case-insensitively, a space also matching ``_`` (``get time``
-  mentions ``get_time``).
-  With tool results, the model calls nothing, unless the user text says "loop forever": then it calls
-  the first tool again (a runaway loop, to demonstrate loop caps). Without tool results, it calls each
-  mentioned tool, in ``tools`` order; "loop forever" with no tool mentioned calls the first tool.
-  ``tool_choice`` ``"none"`` never calls, ``"required"`` calls the mentioned tools or else the first
-  tool, ``{"type": "function", "name": N}`` always calls N; ``parallel_tool_calls: false`` keeps only
-  the first call.
+* **Tool calls** (at most one per response). Only ``{"type": "function", "name": ...}`` tools count
+  (with ``tool_choice`` ``{"type": "allowed_tools", ...}``, only the listed ones, and its ``mode`` is the
+  choice). A tool *matches* when the user text contains its name as a word, case-insensitively, a space
+  also matching ``_`` (``get time`` matches ``get_time``), or any word (a run of letters and digits) of
+  its ``description``. ``tool_choice`` ``"none"`` never calls; ``{"type": "function", "name": N}``
+  always calls N; ``"required"`` always calls: the first matching tool, else the first tool. Otherwise
+  (``"auto"``), without tool results it calls the first declared tool that matches, and nothing when
+  none does; with tool results it calls nothing (it answers them), unless the user text says "loop
+  forever": then it calls the first tool every time (a runaway loop, to demonstrate loop caps).
 * **Arguments** are a compact JSON object built from the tool's ``parameters`` schema: each required
   property (every property when ``required`` is absent) gets its first ``enum`` value, or by type:
   a string named ``expression`` the first arithmetic expression in the user text (``calculate 6*7`` ->
@@ -85,6 +85,7 @@ GREETING: Final = "Hello from loopwarden's development model."
 _RESULT_CHARS: Final = 200
 _WORD: Final = re.compile(r"\S+")
 _TEXT_DELTA: Final = re.compile(r"\s*\S+\s*")
+_DESCRIPTION_WORD: Final = re.compile(r"[^\W_]+")
 _EXPRESSION: Final = re.compile(r"[-+(]*\d[\d\s+\-*/().]*")
 
 # Request fields echoed into the response object: allowed JSON types (null always means "default")
@@ -98,13 +99,21 @@ _ECHOED: Final[dict[str, tuple[tuple[str, ...], object]]] = {
     "previous_response_id": (("string",), None),
     "reasoning": (("object",), {"effort": None, "summary": None}),
     "store": (("boolean",), True),
-    "temperature": (("integer", "number"), None),
+    "temperature": (("integer", "number"), 1.0),
     "text": (("object",), {"format": {"type": "text"}, "verbosity": "medium"}),
     "tool_choice": (("string", "object"), "auto"),
     "tools": (("array",), []),
-    "top_p": (("integer", "number"), None),
+    "top_p": (("integer", "number"), 1.0),
+    "presence_penalty": (("integer", "number"), 0.0),
+    "frequency_penalty": (("integer", "number"), 0.0),
+    "top_logprobs": (("integer",), 0),
     "truncation": (("string",), "disabled"),
+    "service_tier": (("string",), "default"),
+    "safety_identifier": (("string",), None),
+    "prompt_cache_key": (("string",), None),
 }
+# A function tool's keys the response object requires, with the defaults the spec documents.
+_TOOL_DEFAULTS: Final = {"description": None, "parameters": None, "strict": True}
 _TYPES: Final[dict[str, tuple[str, ...]]] = {
     "model": ("string",),
     "input": ("string", "array"),
@@ -217,7 +226,6 @@ def build_response(body: JSONObject) -> JSONObject:
         "incomplete_details": incomplete,
         "model": body["model"],
         "output": output,
-        "service_tier": "default",
         "usage": {
             "input_tokens": conversation.words,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -229,6 +237,12 @@ def build_response(body: JSONObject) -> JSONObject:
     for key, (_, default) in _ECHOED.items():
         value = body.get(key)
         response[key] = default if value is None else value
+    if not isinstance(response["text"].get("format"), dict):
+        response["text"] = {**response["text"], "format": {"type": "text"}}
+    response["reasoning"] = {"effort": None, "summary": None, **response["reasoning"]}
+    response["tools"] = [
+        {**_TOOL_DEFAULTS, **tool} if tool.get("type") == "function" else tool for tool in response["tools"]
+    ]
     return response
 
 
@@ -389,27 +403,33 @@ def _read_input(body: JSONObject) -> _Conversation:
 def _choose_calls(body: JSONObject, conversation: _Conversation) -> list[JSONObject]:
     tools = [tool for tool in body.get("tools") or () if tool.get("type") == "function"]
     choice = body.get("tool_choice") or "auto"
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        listed = {t.get("name") for t in choice.get("tools") or () if isinstance(t, dict)}
+        tools = [tool for tool in tools if tool["name"] in listed]
+        choice = choice.get("mode") if choice.get("mode") in ("none", "required") else "auto"
     if not tools or choice == "none":
         return []
+    if isinstance(choice, dict):
+        named = [tool for tool in tools if choice.get("name") == tool["name"]]
+        if choice.get("type") == "function" and named:
+            return named[:1]
     text = conversation.user_text
-    mentioned = [tool for tool in tools if _mentions(text, tool["name"])]
-    loop_forever = "loop forever" in text.lower()
-    forced = [
-        tool
-        for tool in tools
-        if isinstance(choice, dict)
-        and choice.get("type") == "function"
-        and choice.get("name") == tool["name"]
-    ]
-    if forced:
-        calls = forced[:1]
-    elif conversation.results:
-        calls = tools[:1] if loop_forever else []
-    else:
-        calls = mentioned or (tools[:1] if loop_forever else [])
-    if not calls and choice == "required":
-        calls = mentioned or tools[:1]
-    return calls[:1] if body.get("parallel_tool_calls") is False else calls
+    matching = [tool for tool in tools if _matches(text, tool)]
+    if choice == "required":
+        return (matching or tools)[:1]
+    if conversation.results:
+        return tools[:1] if "loop forever" in text.lower() else []
+    return matching[:1] or (tools[:1] if "loop forever" in text.lower() else [])
+
+
+def _matches(text: str, tool: JSONObject) -> bool:
+    """`tool`'s name, or a word of its description, is a word of `text` (case-insensitive)."""
+    if _mentions(text, tool["name"]):
+        return True
+    description = tool.get("description")
+    words = _DESCRIPTION_WORD.findall(description) if isinstance(description, str) else []
+    typed = {word.lower() for word in _DESCRIPTION_WORD.findall(text)}
+    return any(word.lower() in typed for word in words)
 
 
 def _mentions(text: str, name: str) -> bool:

@@ -8,6 +8,7 @@ One job per module:
 * `stitcher` — `StreamStitcher`: every round's SSE events as one logical client stream.
 * `passthrough` — `Passthrough`: one stateless round forwarded under the ledger.
 * `items` — pure builders of client-visible items and events (``mcp_call``, usage, terminal events).
+* `echo` — `normalise_response`: the echo fields an upstream omitted, filled from the request.
 * `approvals` — `pending_approvals`, `check_call_pairs`: new input settled against the history.
 * `context` — `RequestContext`: the admitted request as the intake hands it to the loop.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from middleware.loop.echo import echo_tool, normalise_response
 from middleware.store.store import SECRET_TOOL_FIELDS
 from middleware.tools import ToolOutcome
 from middleware.upstream.reader import dumps_checked
@@ -70,7 +71,8 @@ def as_input_items(value: Any) -> list[dict[str, Any]]:
 
 def public_tools(tools: Any) -> list[Any]:
     """The request's ``tools`` as echoed in a response: MCP ``headers`` / ``authorization`` are
-    secrets sent to that server only, so they are shown as null (DESIGN.md §6)."""
+    secrets sent to that server only, so they are shown as null (DESIGN.md §6); function tools
+    get the spec's defaults for the required keys the client omitted (`echo_tool`)."""
     if not isinstance(tools, list):
         return []
     out: list[Any] = []
@@ -81,7 +83,7 @@ def public_tools(tools: Any) -> list[Any]:
             and any(k in tool for k in SECRET_TOOL_FIELDS)
         ):
             tool = {k: (None if k in SECRET_TOOL_FIELDS else v) for k, v in tool.items()}
-        out.append(tool)
+        out.append(echo_tool(tool))
     return out
 
 
@@ -184,7 +186,8 @@ def final_response(
     """The client's response object: the last round's terminal response with the gateway's id,
     every round's visible `items`, the client's own ``tools`` (secrets null), ``tool_choice``,
     ``store``, ``previous_response_id`` / ``conversation`` (from `restored`), the summed `usage`,
-    and ``incomplete`` (a reason) when the loop ended incomplete (DESIGN.md §6)."""
+    and ``incomplete`` (a reason) when the loop ended incomplete (DESIGN.md §6); echo fields the
+    upstream left out are filled from the request (`normalise_response`)."""
     final = dict(terminal)
     final["id"] = response_id
     final["object"] = "response"
@@ -202,6 +205,7 @@ def final_response(
         final["incomplete_details"] = {"reason": incomplete}
     elif final.get("status") in (None, "in_progress"):
         final["status"] = "completed"
+    normalise_response(final, request)
     return final
 
 

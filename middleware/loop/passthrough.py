@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from middleware.loop.context import RequestContext
+from middleware.loop.echo import normalise_response
 from middleware.loop.items import response_summary, synthesized_events
 from middleware.ops import metrics
 from middleware.state import GatewayState
@@ -25,6 +26,18 @@ from middleware.upstream.reader import (
     no_terminal_event,
     read_response_object,
     read_round,
+)
+
+#: The events whose response object is normalised: lifecycle and terminal (DESIGN.md §5).
+NORMALISED_EVENTS = frozenset(
+    {
+        "response.created",
+        "response.in_progress",
+        "response.queued",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    }
 )
 
 
@@ -52,13 +65,27 @@ class Passthrough:
                 final = await self._aggregate_stream(response)
                 await self._answer_json(dumps_checked(final))
             else:
-                answer = await read_response_object(response, self.ctx.ledger)
-                if self.ctx.stream:  # a server that ignored "stream": the client still gets SSE
-                    await self._synthesize_stream(answer.parsed, answer.items)
-                else:
-                    await self._answer_json(answer.body)
+                await self._buffered(response)
         finally:
             await response.aclose()
+
+    async def _buffered(self, response: UpstreamResponse) -> None:
+        """A buffered upstream answer: normalised (`normalise_response`), then answered as JSON —
+        the upstream's own bytes when nothing was missing, else the re-encoded object, whose
+        reference to the upstream's bytes is dropped first so one encoding is alive and charged
+        (`admit_terminal`) — or replayed as events to a streamed call."""
+        answer = await read_response_object(response, self.ctx.ledger)
+        parsed, items, body = answer.parsed, answer.items, answer.body
+        del answer
+        changed = normalise_response(parsed, self.ctx.request)
+        if self.ctx.stream:  # a server that ignored "stream": the client still gets SSE
+            del body
+            await self._synthesize_stream(parsed, items)
+            return
+        if changed:
+            del body
+            body = dumps_checked(parsed)
+        await self._answer_json(body)
 
     async def _synthesize_stream(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         for kind, payload in synthesized_events(response, items):
@@ -76,12 +103,15 @@ class Passthrough:
             raise no_terminal_event()
         final = dict(acc.terminal)
         final["output"] = acc.output()
+        normalise_response(final, self.ctx.request)
         return final
 
     def _snapshot(self) -> dict[str, Any]:
         """The response so far for a failure after commit: the upstream's created object's scalar
         fields (`response_summary`; the items were forwarded and dropped, not kept, on this path)."""
-        return {**(self._created or {}), "output": []}
+        snapshot = {**(self._created or {}), "output": []}
+        normalise_response(snapshot, self.ctx.request)
+        return snapshot
 
     async def _forward_stream(self, response: UpstreamResponse) -> None:
         # Forwarded and dropped: nothing of the stream is kept on this path, so nothing is
@@ -91,7 +121,12 @@ class Passthrough:
         await self.client.end()
 
     async def _forward(self, event: UpstreamEvent) -> None:
-        if event.type == "response.created" and isinstance(event.obj.get("response"), dict):
-            created = event.obj["response"]
-            self._created = response_summary(created)
-        await self.client.forward(event.type, event.data, event.obj, changed=event.changed)
+        """Forward one upstream event; only the lifecycle and terminal events' response objects
+        are normalised (re-encoded when something was filled), the rest go out as received."""
+        changed = event.changed
+        response = event.obj.get("response")
+        if event.type in NORMALISED_EVENTS and isinstance(response, dict):
+            changed |= normalise_response(response, self.ctx.request)
+            if event.type == "response.created":
+                self._created = response_summary(response)
+        await self.client.forward(event.type, event.data, event.obj, changed=changed)

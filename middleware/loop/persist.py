@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from middleware.loop.echo import normalise_response
 from middleware.loop.items import epoch_seconds, public_tools
 from middleware.store.history import Restored
 from middleware.store.store import RESPONSE_STATUSES, ConversationNotFound, Store, StoredResponse
@@ -72,6 +73,7 @@ class ResponseRecorder:
             "tools": public_tools(self.request.get("tools")),
             "previous_response_id": self.restored.previous_response_id,
         }
+        normalise_response(response, self.request)  # spec-complete, like every object served
         await self._save(response)
 
     async def _save(self, response: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from middleware.asgi.client_stream import ClientStream
 from middleware.ids import new_id
+from middleware.loop.echo import normalise_response
 from middleware.loop.items import call_arguments, public_tools, response_summary, terminal_event
 from middleware.tools import ResolvedTools
 from middleware.upstream.reader import TERMINAL_EVENTS, UpstreamEvent
@@ -59,7 +60,9 @@ class StreamStitcher:
         public["id"] = self.response_id
         public["tools"] = public_tools(self.request.get("tools"))
         public["tool_choice"] = self.request.get("tool_choice", "auto")
+        public["previous_response_id"] = self.request.get("previous_response_id")
         public["store"] = self.request.get("store") is not False  # the client's, not the upstream call's
+        normalise_response(public, self.request)
         return public
 
     def snapshot(self) -> dict[str, Any]:
