@@ -166,6 +166,18 @@ def test_continuation_and_stored_objects_conform(dev_url: str) -> None:
         ("GET", "/v1/responses/resp_unknown", b"", 404, "not_found"),
         ("GET", "/v1/nowhere", b"", 404, "unknown_url"),
         ("DELETE", "/v1/models", b"", 405, "method_not_allowed"),
+        (
+            "POST",
+            "/v1/responses",
+            b'{"model": "dev", "input": "hi", "background": true}',
+            400,
+            "unsupported_parameter",
+        ),
+        ("POST", "/v1/responses/resp_unknown/cancel", b"", 404, "not_found"),
+        ("GET", "/v1/responses/resp_unknown/cancel", b"", 405, "method_not_allowed"),
+        ("POST", "/v1/conversations/conv_unknown", b'{"metadata": {}}', 404, "not_found"),
+        ("GET", "/v1/conversations/conv_unknown/items/msg_1", b"", 404, "not_found"),
+        ("DELETE", "/v1/conversations/conv_unknown/items/msg_1", b"", 404, "not_found"),
     ],
 )
 def test_error_envelopes_conform(
@@ -181,6 +193,16 @@ def test_error_envelopes_conform(
         assert payload["error"]["code"] == code
     expected_type = "invalid_request_error" if status < 500 else "server_error"
     assert payload["error"]["type"] == expected_type
+
+
+def test_cancel_of_a_stored_foreground_response_is_a_conforming_400(dev_url: str) -> None:
+    created = buffered(dev_url, {"model": "dev", "input": "hi", "store": True})
+    answer = httpx.post(f"{dev_url}/v1/responses/{created['id']}/cancel", timeout=10)
+    assert answer.status_code == 400, answer.text
+    payload = answer.json()
+    spec_schema.assert_error_envelope(payload)
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert "background" in payload["error"]["message"]
 
 
 def test_loop_cap_envelope_stream_error_and_stored_failure_conform() -> None:
