@@ -29,6 +29,7 @@ from websockets.asyncio.client import ClientConnection
 
 from middleware.app import create_app
 from middleware.asgi.websocket import uvicorn_websocket_options, websocket_max_size
+from middleware.ops.connections import connection_options
 from middleware.config import Settings
 from tests.helpers import DONE, FC, PRE, MetricDelta, message_item, metric, sse_events, text_delta
 from tests.mcp_servers import Probe, build_tools_server, serve_mcp
@@ -50,14 +51,15 @@ def upstream() -> Iterator[MockUpstream]:
 
 @contextlib.contextmanager
 def ws_gateway(upstream: MockUpstream | None, **overrides: Any) -> Iterator[str]:
-    """The gateway on a real uvicorn with `loopwarden serve`'s WebSocket options; yields its
+    """The gateway on a real uvicorn with `loopwarden serve`'s connection options (the bounded
+    protocol of ``http``, its WebSocket options: `uvicorn_websocket_options`); yields its
     ``http://`` base URL."""
     overrides.setdefault("max_retained_bytes", 4 * B)
     overrides.setdefault("store", "memory")
     overrides.setdefault("upstream_read_timeout", 5.0)
     overrides.setdefault("upstream_connect_timeout", 2.0)
     settings = Settings(upstream=upstream.base_url if upstream else None, **overrides)
-    with serve_asgi(create_app(settings), **uvicorn_websocket_options(settings)) as url:
+    with serve_asgi(create_app(settings), **connection_options(settings)) as url:
         yield url
 
 
@@ -468,8 +470,7 @@ def test_a_client_that_stops_reading_is_bounded_by_the_write_timeout(
 ) -> None:
     deltas = [text_delta(2 + i, "z" * 16_384) for i in range(400)]
     upstream.push(Reply.sse([*PRE(), *deltas, DONE(402, [message_item("never read")])]))
-    settings = dict(max_retained_bytes=256 * B, client_write_timeout=1.0)
-    with ws_gateway(upstream, **settings, http=http) as url:  # type: ignore[arg-type]
+    with ws_gateway(upstream, max_retained_bytes=256 * B, client_write_timeout=1.0, http=http) as url:
         m = MetricDelta()
         sock = _raw_upgrade(url)
         try:
@@ -487,6 +488,23 @@ def test_a_client_that_stops_reading_is_bounded_by_the_write_timeout(
             assert metric("loopwarden_inflight_requests") == 0
         finally:
             sock.close()
+
+
+def test_websocket_connections_count_toward_max_connections(upstream: MockUpstream) -> None:
+    assert uvicorn_websocket_options(Settings())["ws"].endswith(":DrainingWebSocketProtocol")
+    with ws_gateway(upstream, max_connections=2) as url:
+        m = MetricDelta()
+
+        async def main() -> bool:
+            async with websockets.connect(ws_url(url)), websockets.connect(ws_url(url)):
+                assert metric("loopwarden_websocket_connections") == 2
+                with pytest.raises((OSError, websockets.InvalidHandshake, websockets.ConnectionClosed)):
+                    async with websockets.connect(ws_url(url), open_timeout=5):
+                        pass
+            return True
+
+        assert run(main())
+    assert settled(m, CAP, 1, limit="max_connections", outcome="503") == 1
 
 
 # -- the Codex cassettes -------------------------------------------------------------------------
