@@ -21,6 +21,8 @@ A turn's latency is the wall time from sending it to receiving its terminal even
 HTTP client keeps its connection alive across turns (httpx), so neither side pays a TCP handshake
 per turn; the WebSocket's upgrade is outside every turn (it is paid once per connection).
 Printed: the median and p90 per turn and over all turns, and the ratios to ``ws``.
+``--context-bytes N`` puts N bytes of context (a developer message) in turn 1: every later HTTP
+turn of ``http_full`` resends it, ``http_prev`` restores it from the store, ``ws`` from memory.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import websockets
@@ -111,10 +114,19 @@ def servers() -> Iterator[str]:
             proc.wait(10)
 
 
+#: Bytes of context (a developer message before the first user message: files, a repository
+#: map) that turn 1 carries; ``--context-bytes``.
+CONTEXT = {"bytes": 0}
+
+
 def turn_inputs(call_id: str | None, turn: int) -> list[dict[str, Any]]:
     """The new input items of turn 1..3 (``call_id``: the call the previous turn handed back)."""
     if turn == 1:
-        return [{"type": "message", "role": "user", "content": "loop forever: get time"}]
+        context = [{"type": "message", "role": "developer", "content": "c" * CONTEXT["bytes"]}]
+        return [
+            *(context if CONTEXT["bytes"] else []),
+            {"type": "message", "role": "user", "content": "loop forever: get time"},
+        ]
     output = {"type": "function_call_output", "call_id": call_id, "output": f"12:0{turn}"}
     if turn == 2:
         return [output]
@@ -216,7 +228,11 @@ def main() -> None:
     parser.add_argument("--loops", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--context-bytes", type=int, default=0, help="bytes of context turn 1 carries (default 0)"
+    )
     args = parser.parse_args()
+    CONTEXT["bytes"] = args.context_bytes
     with servers() as url:
         figures = report(asyncio.run(measure(url, args.loops, args.warmup)))
     print(f"{'mode':<10} {'turn 1':>15} {'turn 2':>15} {'turn 3':>15} {'all turns':>15}  median / ws")

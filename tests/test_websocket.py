@@ -29,8 +29,8 @@ from websockets.asyncio.client import ClientConnection
 
 from middleware.app import create_app
 from middleware.asgi.websocket import uvicorn_websocket_options, websocket_max_size
-from middleware.ops.connections import connection_options
 from middleware.config import Settings
+from middleware.ops.connections import connection_options
 from tests.helpers import DONE, FC, PRE, MetricDelta, message_item, metric, sse_events, text_delta
 from tests.mcp_servers import Probe, build_tools_server, serve_mcp
 from tests.mock_upstream import E, MockUpstream, Reply, cassettes_dir
@@ -141,6 +141,30 @@ def test_turns_are_the_sse_events_in_order_and_continue_from_connection_memory(
     assert sent[1]["content"][0]["text"] == "hello" and sent[2]["content"] == "more"
     assert settled(m, WS, 2, outcome="completed") == 2
     assert metric("loopwarden_websocket_connections") == 0
+
+
+def test_connection_memory_is_charged_to_the_process_pool_while_the_connection_lives(
+    upstream: MockUpstream,
+) -> None:
+    upstream.push(answer("remember me " * 200))
+    with ws_gateway(upstream) as url:
+
+        async def main() -> tuple[float, float]:
+            async with websockets.connect(ws_url(url)) as ws:
+                await turn(ws, create(input="hi", store=False))
+                deadline = time.monotonic() + 5
+                while metric("loopwarden_inflight_requests") and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                # no request in flight: what is charged now is the connection's memory
+                return metric("loopwarden_inflight_retained_bytes"), metric("loopwarden_admission_reserved_bytes")
+
+        charged, reserved = run(main())
+        deadline = time.monotonic() + 5
+        while metric("loopwarden_inflight_retained_bytes") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = metric("loopwarden_inflight_retained_bytes")
+    assert charged >= len("remember me " * 200) and reserved >= charged
+    assert after == 0
 
 
 def test_messages_sent_back_to_back_are_served_one_at_a_time_in_order(upstream: MockUpstream) -> None:
@@ -488,6 +512,29 @@ def test_a_client_that_stops_reading_is_bounded_by_the_write_timeout(
             assert metric("loopwarden_inflight_requests") == 0
         finally:
             sock.close()
+
+
+def test_a_drain_closes_an_idle_connection_1001_after_server_shutting_down(upstream: MockUpstream) -> None:
+    from middleware.ops.admission import DRAIN
+
+    upstream.push(answer("before the drain"))
+    with ws_gateway(upstream) as url:
+
+        async def main() -> tuple[list[dict[str, Any]], dict[str, Any], int | None]:
+            async with websockets.connect(ws_url(url)) as ws:
+                served = await turn(ws, create(input="x", store=False))
+                DRAIN.start(30, time.monotonic())
+                try:
+                    error = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                    with pytest.raises(websockets.ConnectionClosed):
+                        await asyncio.wait_for(ws.recv(), 10)
+                finally:  # the process-wide drain state, as it was
+                    DRAIN.draining, DRAIN.deadline = False, None
+                return served, error, ws.close_code
+
+        served, error, code = run(main())
+    assert served[-1]["type"] == "response.completed"
+    assert error["status"] == 503 and error["error"]["code"] == "server_shutting_down" and code == 1001
 
 
 def test_websocket_connections_count_toward_max_connections(upstream: MockUpstream) -> None:

@@ -353,15 +353,17 @@ class AgentLoop:
         self.ctx.ledger.admit_terminal(raw)
         await self.client.flush()  # the last round's events do not wait for the store
         await self.recorder.finished(final)
-        if self.ctx.memory is not None and final.get("status") in ("completed", "incomplete"):
-            self.ctx.memory.remember(
-                self.response_id, continuation_items(self.recorder.restored, self.input_items, self.replay)
-            )
         self._observe_rounds()
         if self.stitcher is not None:
             await self.stitcher.terminal(final)
-            return
-        await self.client.answer_json(200, raw)
+        else:
+            await self.client.answer_json(200, raw)
+        if self.ctx.memory is not None and final.get("status") in ("completed", "incomplete"):
+            # a WebSocket turn: kept for the next turn, which starts only once this one returns
+            # (after its terminal event: the client does not wait for the copy)
+            self.ctx.memory.remember(
+                self.response_id, continuation_items(self.recorder.restored, self.input_items, self.replay)
+            )
 
     # -- one round -------------------------------------------------------------------------
     async def _round(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
