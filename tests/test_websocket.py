@@ -156,7 +156,9 @@ def test_connection_memory_is_charged_to_the_process_pool_while_the_connection_l
                 while metric("loopwarden_inflight_requests") and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
                 # no request in flight: what is charged now is the connection's memory
-                return metric("loopwarden_inflight_retained_bytes"), metric("loopwarden_admission_reserved_bytes")
+                return metric("loopwarden_inflight_retained_bytes"), metric(
+                    "loopwarden_admission_reserved_bytes"
+                )
 
         charged, reserved = run(main())
         deadline = time.monotonic() + 5
