@@ -389,7 +389,9 @@ def _operations() -> JSON:
         Panel(
             "Cap hits by limit and outcome",
             "Cap hits per second by limit (max_retained_bytes, request_body, upstream_body, max_infer_iters,"
-            " max_tool_calls, tool_timeout, client_body_timeout, request_deadline, admission, caller_share)"
+            " max_tool_calls, tool_timeout, client_body_timeout, request_deadline, admission, caller_share,"
+            " client_write_timeout, header_timeout, max_connections, websocket_lifetime, websocket_idle,"
+            " websocket_message_size)"
             " and outcome"
             " (HTTP status, sse_error, incomplete, tool_error).",
             ["cap_hits_by_limit_outcome"],
@@ -417,6 +419,29 @@ def _operations() -> JSON:
             " count as upstream_error).",
             ["sse_errors_by_code"],
             unit="ops",
+        ),
+        Row("WebSocket mode", "Persistent WebSocket connections at /v1/responses and their turns."),
+        Panel(
+            "WebSocket connections",
+            "WebSocket connections open now, per instance (each counts toward --max-connections).",
+            ["websocket_connections"],
+            width=8,
+        ),
+        Panel(
+            "WebSocket turns by outcome",
+            "response.create turns per second by how they ended: completed, incomplete, failed (an error"
+            " envelope or response.failed), cancelled (the client went away or stopped reading).",
+            ["websocket_turns_by_outcome"],
+            unit="ops",
+            width=8,
+        ),
+        Panel(
+            "Cap hits by transport",
+            "Cap hits per second by transport (http, websocket) and limit; websocket_lifetime,"
+            " websocket_idle and websocket_message_size are the connection's own.",
+            ["cap_hits_by_transport"],
+            unit="ops",
+            width=8,
         ),
         Row("Gateway tools", "Gateway-owned (MCP) tool calls run by the loop."),
         Panel(

@@ -242,6 +242,24 @@ _QUERY_LIST: list[Query] = [
         "{{code}}",
         may_be_empty=_NOT_PREINIT,
     ),
+    # WebSocket mode
+    Query(
+        "websocket_connections",
+        f"sum by (instance) ({_sel('loopwarden_websocket_connections')})",
+        "{{instance}}",
+    ),
+    Query(
+        "websocket_turns_by_outcome",
+        f"sum by (outcome) ({_rate('loopwarden_websocket_turns_total')})",
+        "{{outcome}}",
+        may_be_empty=_NOT_PREINIT,
+    ),
+    Query(
+        "cap_hits_by_transport",
+        f"sum by (transport, limit) ({_rate('loopwarden_cap_hits_total')})",
+        "{{transport}}: {{limit}}",
+        may_be_empty=_NOT_PREINIT,
+    ),
     # tools
     Query(
         "tool_calls_by_outcome",

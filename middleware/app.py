@@ -1,7 +1,8 @@
 """The gateway ASGI application: routes, lifespan, and the middleware stack.
 
 `create_app(settings)` returns a Starlette app serving ``POST /v1/responses`` (buffered and
-``"stream": true``; `ResponsesApp` wrapped in `BudgetMiddleware`), the store routes
+``"stream": true``; `ResponsesApp` wrapped in `BudgetMiddleware`), its WebSocket mode (``GET
+/v1/responses`` with an upgrade: `middleware.asgi.websocket`, each turn through the same guard), the store routes
 (`middleware.store.routes`: ``/v1/responses/{id}``, ``/input_items``, ``/cancel``,
 ``/v1/conversations…``),
 ``GET /v1/models``, ``GET /healthz``, ``GET /readyz`` and ``GET /metrics``; every failure of a
@@ -26,13 +27,14 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from budget import ChargeModel
 from middleware import outcomes
 from middleware.asgi.auth import Authenticator
 from middleware.asgi.guard import BudgetMiddleware
 from middleware.asgi.models import ModelRouter
+from middleware.asgi.websocket import WebSocketConfig, WebSocketResponses
 from middleware.config import Settings
 from middleware.dev.embedded import BackgroundServer
 from middleware.errors import Failure, MethodNotAllowed, UnknownRoute
@@ -275,6 +277,21 @@ def create_app(
         charge_model=ChargeModel.named(settings.charge_model),
     )
 
+    websocket = WebSocketResponses(
+        responses,
+        WebSocketConfig(
+            limits=settings.limits,
+            authenticator=authenticator,
+            pool=pool,
+            charge_model=ChargeModel.named(settings.charge_model),
+            max_lifetime=settings.websocket_max_lifetime,
+            idle_timeout=settings.websocket_idle_timeout,
+            write_timeout=settings.client_write_timeout,
+            keepalive_interval=settings.keepalive_interval,
+            retry_after=settings.retry_after,
+        ),
+    )
+
     async def readyz(request: Request) -> Response:
         """Readiness: 503 while draining or saturated (pool, concurrency or memory pressure)."""
         if DRAIN.draining:
@@ -292,6 +309,7 @@ def create_app(
 
     routes: list[Any] = [
         Route("/v1/responses", responses, methods=["POST"]),
+        WebSocketRoute("/v1/responses", websocket),  # WebSocket mode (middleware.asgi.websocket)
         Route("/v1/responses/compact", not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         *store_routes(
             get_store,

@@ -124,6 +124,18 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--request-deadline", type=float, help="seconds for a whole request, all rounds (default 1800)"
     )
     p.add_argument(
+        "--websocket-max-lifetime",
+        type=float,
+        help="seconds a WebSocket connection at /v1/responses may live (default 3600, the spec's 60 "
+        "minutes; then websocket_connection_limit_reached and close 1001)",
+    )
+    p.add_argument(
+        "--websocket-idle-timeout",
+        type=float,
+        help="seconds a WebSocket connection may wait for its next message between turns (default 300; "
+        "then close 1001)",
+    )
+    p.add_argument(
         "--drain-timeout", type=float, help="seconds in-flight requests get after SIGTERM (default 30)"
     )
     p.add_argument(

@@ -40,6 +40,8 @@ class Settings:
     ``http`` is uvicorn's HTTP/1.1 stack (``h11`` or ``httptools``); ``header_timeout``,
     ``keepalive_timeout``, ``max_connections`` and ``backlog`` (0: derived from the
     file-descriptor limit) and ``max_header_bytes`` are the connection bounds (`middleware.ops.connections`).
+    ``websocket_max_lifetime`` (seconds; the spec's 60 minutes) and ``websocket_idle_timeout``
+    (seconds without a message between turns) bound a WebSocket connection (`middleware.asgi.websocket`).
     """
 
     host: str = "127.0.0.1"
@@ -82,6 +84,8 @@ class Settings:
     max_connections: int = 0
     max_header_bytes: int = 65_536
     backlog: int = 0
+    websocket_max_lifetime: float = 3600.0
+    websocket_idle_timeout: float = 300.0
     models: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     store: str = "sqlite:///./.loopwarden/loopwarden.db"
     api_key: tuple[str, ...] = dataclasses.field(default=(), repr=False)
@@ -159,6 +163,8 @@ class Settings:
             "drain_timeout",
             "header_timeout",
             "keepalive_timeout",
+            "websocket_max_lifetime",
+            "websocket_idle_timeout",
         ):
             value = getattr(self, name)
             if not value > 0:

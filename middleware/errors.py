@@ -28,6 +28,10 @@ Failure                          base: ``message``, ``param``, ``code`` (rows th
 ├── ShuttingDown                 draining: refused, or the drain timeout passed (503)
 ├── DeadlineExceeded             --request-deadline passed (504)
 ├── McpServerUnavailable         an MCP server's tools/list failed (502)
+├── PreviousResponseNotFound     a WebSocket turn's previous_response_id is in neither connection memory nor the store (400)
+├── WebSocketLifetimeReached     a WebSocket connection passed --websocket-max-lifetime (400 websocket_connection_limit_reached)
+├── WebSocketIdle                no message on a WebSocket within --websocket-idle-timeout (408 websocket_idle_timeout)
+├── WebSocketMessageTooLarge     a WebSocket message over the body clamp (413 request_too_large)
 └── UpstreamError                (middleware.upstream.errors) the model server failed
 ```
 
@@ -220,3 +224,32 @@ class McpServerUnavailable(Failure):
     """An MCP server's ``tools/list`` failed (unreachable, timeout, protocol error)."""
 
     row = "mcp_server_unavailable"
+
+
+class PreviousResponseNotFound(Failure):
+    """A WebSocket turn's ``previous_response_id`` is neither the connection's most recent
+    response (connection-local memory) nor, with ``store`` on, a stored response of the caller
+    (Open Responses, "WebSocket Continuation": ``previous_response_not_found``)."""
+
+    row = "previous_response_not_found"
+
+
+class WebSocketLifetimeReached(Failure):
+    """A WebSocket connection is older than ``--websocket-max-lifetime`` (fact ``seconds``); the
+    spec's ``websocket_connection_limit_reached``, then the connection closes (1001)."""
+
+    row = "websocket_lifetime"
+
+
+class WebSocketIdle(Failure):
+    """No message arrived on a WebSocket connection between turns within
+    ``--websocket-idle-timeout`` (fact ``seconds``); then the connection closes (1001)."""
+
+    row = "websocket_idle"
+
+
+class WebSocketMessageTooLarge(Failure):
+    """A WebSocket message is larger than the body clamp of the request it would be (facts
+    ``size`` and ``clamp``, bytes); then the connection closes (1009)."""
+
+    row = "websocket_message_too_large"

@@ -219,6 +219,23 @@ OUTCOMES: Final[Mapping[str, Row]] = {
         "method not allowed (with Allow)", 405, "method_not_allowed", deterministic=True, after_commit=False
     ),
     "store_unavailable": Row("the response store's database fails", 503, "store_unavailable"),
+    "previous_response_not_found": Row(
+        "WebSocket: previous_response_id in neither connection memory nor (store on) the store",
+        400, "previous_response_not_found", deterministic=True, after_commit=False,
+    ),
+    "websocket_lifetime": Row(
+        "WebSocket connection older than --websocket-max-lifetime (then close 1001)",
+        400, "websocket_connection_limit_reached", cap="websocket_lifetime", deterministic=True,
+        after_commit=False,
+    ),
+    "websocket_idle": Row(
+        "WebSocket: no message within --websocket-idle-timeout between turns (then close 1001)",
+        408, "websocket_idle_timeout", cap="websocket_idle", deterministic=True, after_commit=False,
+    ),
+    "websocket_message_too_large": Row(
+        "WebSocket message over the body clamp (then close 1009)",
+        413, "request_too_large", cap="websocket_message_size", deterministic=True, after_commit=False,
+    ),
     "internal": Row("a defect of the gateway (never caused by input)", 500, "internal_error", deterministic=True),
 }  # fmt: skip
 
@@ -471,7 +488,7 @@ def record_client_gone(
     metrics.CLIENT_DISCONNECTS.inc()
     if write_timeout is None:
         return
-    metrics.CAP_HITS.labels(limit=WRITE_TIMEOUT_CAP, outcome=CLOSED).inc()
+    metrics.cap_hit(WRITE_TIMEOUT_CAP, CLOSED)
     log.warning(
         "outcome row=client_write_timeout status=- code=- committed=%s cap=%s caller=%s seconds=%g",
         committed,
@@ -495,7 +512,7 @@ def record(outcome: Outcome, *, owner: str = "", limit: int | None = None) -> No
     """
     row = OUTCOMES[outcome.row]
     if outcome.cap is not None:
-        metrics.CAP_HITS.labels(limit=outcome.cap, outcome=outcome.cap_outcome).inc()
+        metrics.cap_hit(outcome.cap, outcome.cap_outcome)
     if outcome.committed:
         metrics.STREAM_ERRORS.labels(code=metrics.stream_error_label(outcome.code)).inc()
     if row.upstream and isinstance(outcome.error, UpstreamError):

@@ -76,9 +76,20 @@ def sdk(url: str, **kw: Any) -> OpenAI:
     return OpenAI(base_url=url + "/v1", api_key="client-key", **kw)
 
 
+#: Metrics with a ``transport`` label (``http`` unless a test names ``websocket``).
+TRANSPORT_LABELLED = frozenset({"loopwarden_cap_hits_total"})
+
+
+def _with_transport(name: str, labels: dict[str, str]) -> dict[str, str]:
+    if name in TRANSPORT_LABELLED and "transport" not in labels:
+        return {**labels, "transport": "http"}
+    return labels
+
+
 def metric(name: str, **labels: str) -> float:
-    """Current value of a sample in the process registry (0 when absent)."""
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    """Current value of a sample in the process registry (0 when absent); a cap-hit sample is
+    the ``transport="http"`` one unless ``transport`` is given."""
+    return REGISTRY.get_sample_value(name, _with_transport(name, labels)) or 0.0
 
 
 class MetricDelta:
@@ -91,6 +102,7 @@ class MetricDelta:
                 self._before[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
 
     def delta(self, name: str, **labels: str) -> float:
+        labels = _with_transport(name, labels)
         key = (name, tuple(sorted(labels.items())))
         return metric(name, **labels) - self._before.get(key, 0.0)
 

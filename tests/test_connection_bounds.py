@@ -374,7 +374,7 @@ def fd_count(pid: int) -> int:
 
 def scrape(port: int, limit: str, outcome: str) -> float:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    match = re.search(rf'^{CAP}{{limit="{limit}",outcome="{outcome}"}} (\S+)$', text, re.M)
+    match = re.search(rf'^{CAP}{{limit="{limit}",outcome="{outcome}",transport="http"}} (\S+)$', text, re.M)
     assert match, f"no {limit}/{outcome} series"
     return float(match[1])
 

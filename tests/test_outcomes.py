@@ -110,6 +110,22 @@ EXAMPLES: dict[str, tuple[BaseException, int, str]] = {
     "method_not_allowed": (errors.MethodNotAllowed("no", allow="GET, DELETE"), 405, "method_not_allowed"),
     "store_unavailable": (StoreUnavailable("db down"), 503, "store_unavailable"),
     "internal": (RuntimeError("a bug"), 500, "internal_error"),
+    "previous_response_not_found": (
+        errors.PreviousResponseNotFound("not found", param="previous_response_id"),
+        400,
+        "previous_response_not_found",
+    ),
+    "websocket_lifetime": (
+        errors.WebSocketLifetimeReached("old", seconds=3600),
+        400,
+        "websocket_connection_limit_reached",
+    ),
+    "websocket_idle": (errors.WebSocketIdle("idle", seconds=300), 408, "websocket_idle_timeout"),
+    "websocket_message_too_large": (
+        errors.WebSocketMessageTooLarge("big", size=10, clamp=5),
+        413,
+        "request_too_large",
+    ),
 }
 
 

@@ -586,7 +586,7 @@ def test_b16_a_hung_tool_times_out_while_the_others_finish(
     catalog: ToolCatalog, tools_http: tuple[str, Recorder, Probe], probe: Probe
 ) -> None:
     timeouts = sample("loopwarden_tool_calls_total", outcome="timeout")
-    caps = sample("loopwarden_cap_hits_total", limit="tool_timeout", outcome="tool_error")
+    caps = sample("loopwarden_cap_hits_total", limit="tool_timeout", outcome="tool_error", transport="http")
     calls = [call("call_s", "slow"), call("call_f1", "fast1"), call("call_f2", "fast2")]
     started = time.monotonic()
     _, outcomes = run(resolve_and_run(catalog, calls, timeout=1.0, concurrency=2))
@@ -603,7 +603,11 @@ def test_b16_a_hung_tool_times_out_while_the_others_finish(
     assert probe.wait_cancelled("slow")  # the MCP request was cancelled at the server
     assert probe.finished == {"fast1", "fast2"}
     assert sample("loopwarden_tool_calls_total", outcome="timeout") - timeouts == 1
-    assert sample("loopwarden_cap_hits_total", limit="tool_timeout", outcome="tool_error") - caps == 1
+    assert (
+        sample("loopwarden_cap_hits_total", limit="tool_timeout", outcome="tool_error", transport="http")
+        - caps
+        == 1
+    )
 
 
 def test_the_window_slides_instead_of_batching(catalog: ToolCatalog, probe: Probe) -> None:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,6 +41,9 @@ from middleware.ops import metrics
 from middleware.ops.admission import DRAIN, DrainState, ProcessPool
 
 log = logging.getLogger("loopwarden")
+
+#: Makes the `ClientStream` of a WebSocket turn, given the guard's ``on_final(status)`` counter.
+StreamFactory = Callable[[Callable[[int], None]], ClientStream]
 
 #: Error codes whose limit a request can lower itself: the message then says so.
 _LOWERABLE = {
@@ -104,17 +108,36 @@ class BudgetMiddleware:
             return
         await _Guard(self, scope, receive, send).run()
 
+    async def serve_turn(self, scope: Scope, receive: Receive, stream: StreamFactory) -> None:
+        """Serve one WebSocket turn (`middleware.asgi.websocket`) exactly as a ``POST
+        /v1/responses``: ``scope`` is its synthetic HTTP scope, ``receive`` yields the message as
+        the body, and ``stream(on_final)`` makes the turn's `ClientStream` (a subclass that writes
+        WebSocket messages), ``on_final`` being the guard's request counter."""
+        await _Guard(self, scope, receive, None, stream=stream).run()
+
 
 class _Guard:
     """Per-request responder of `BudgetMiddleware`."""
 
-    def __init__(self, mw: BudgetMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(
+        self,
+        mw: BudgetMiddleware,
+        scope: Scope,
+        receive: Receive,
+        send: Send | None,
+        *,
+        stream: StreamFactory | None = None,
+    ) -> None:
         self.mw = mw
         self.scope = scope
         self.receive = receive
         self.started_at = time.monotonic()
         self.counted = False
-        self.client = ClientStream(send, keepalive_interval=mw.keepalive_interval, on_final=self._count)
+        if stream is not None:
+            self.client = stream(self._count)
+        else:
+            assert send is not None
+            self.client = ClientStream(send, keepalive_interval=mw.keepalive_interval, on_final=self._count)
         self.intake = Intake(scope, receive, mw.intake)
 
     def _count(self, status: int) -> None:

@@ -17,7 +17,8 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
    model) from ``Content-Length`` and while reading
    (`BodyTooLarge`), within ``client_body_timeout`` seconds (`BodyTimeout`), counting JSON nodes in
    the same pass (depth over `budget.DEFAULT_MAX_DEPTH`: 400 ``json_too_deep`` at once);
-4. ``Ledger.admit_input`` (413), then the strict parse and the field checks (`InvalidRequest`);
+4. ``Ledger.admit_input`` (413), then the strict parse, a WebSocket turn's own rules
+   (`middleware.asgi.wsturn`) and the field checks (`InvalidRequest`);
 5. the model route (`ModelNotFound`), its charge model (the body is re-charged at its price) and
    its lower limit (413 if what is charged no longer fits).
 """
@@ -47,6 +48,7 @@ from middleware.asgi.auth import Authenticator
 from middleware.asgi.client_stream import ClientStream
 from middleware.asgi.models import ModelRouter
 from middleware.asgi.validate import validate_request
+from middleware.asgi.wsturn import turn_of
 from middleware.errors import (
     BodyTimeout,
     BodyTooLarge,
@@ -172,6 +174,9 @@ class Intake:
             ) from None
         if not isinstance(request, dict):
             raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
+        turn = turn_of(self.scope)
+        if turn is not None:  # a WebSocket response.create message (middleware.asgi.wsturn)
+            request = turn.prepare(request)
         validate_request(request)
         route = self.config.router.match(request["model"])
         if route is None and self.config.router.configured:
@@ -200,6 +205,7 @@ class Intake:
             owner=self.owner,
             route=route,
             client=client,
+            memory=turn.memory if turn is not None else None,
         )
 
     def effective_limits(self) -> Limits:

@@ -46,6 +46,7 @@ from middleware.loop.items import (
     sum_usage,
     upstream_body,
 )
+from middleware.loop.memory import continuation_items, restore_turn_history
 from middleware.loop.persist import ResponseRecorder
 from middleware.loop.stitcher import StreamStitcher
 from middleware.ops import metrics
@@ -137,7 +138,12 @@ class AgentLoop:
         # What tools/list brought in is already charged: `ToolCatalog.resolve` charged each answer
         # while it was read and, once the tools were exposed, what this request keeps of them.
         store = self.state.store
-        if store is not None:
+        if self.ctx.memory is not None:  # a WebSocket turn: connection memory first
+            self.recorder.restored = await restore_turn_history(
+                self.request, store, self.ctx.owner, self.ctx.ledger, self.ctx.memory
+            )
+            self.history = self.recorder.restored.items
+        elif store is not None:
             self.recorder.restored = await restore_history(
                 self.request, store, self.ctx.owner, self.ctx.ledger
             )
@@ -234,7 +240,7 @@ class AgentLoop:
             if isinstance(decision, Continue):
                 continue
             if isinstance(decision, Incomplete) and decision.reason == "max_tool_calls":
-                metrics.CAP_HITS.labels(limit="max_tool_calls", outcome="incomplete").inc()
+                metrics.cap_hit("max_tool_calls", "incomplete")
             await self._finish(terminal, decision)
             return
 
@@ -350,8 +356,14 @@ class AgentLoop:
         self._observe_rounds()
         if self.stitcher is not None:
             await self.stitcher.terminal(final)
-            return
-        await self.client.answer_json(200, raw)
+        else:
+            await self.client.answer_json(200, raw)
+        if self.ctx.memory is not None and final.get("status") in ("completed", "incomplete"):
+            # a WebSocket turn: kept for the next turn, which starts only once this one returns
+            # (after its terminal event: the client does not wait for the copy)
+            self.ctx.memory.remember(
+                self.response_id, continuation_items(self.recorder.restored, self.input_items, self.replay)
+            )
 
     # -- one round -------------------------------------------------------------------------
     async def _round(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:

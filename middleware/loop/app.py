@@ -2,7 +2,8 @@
 
 Requests with gateway-owned (MCP) tools, and requests that use the store (``store`` on,
 ``previous_response_id``, ``conversation``) run in `AgentLoop`; the rest — one stateless round with
-nothing for the gateway to change — take `Passthrough`. Both read the admitted `RequestContext`
+nothing for the gateway to change — take `Passthrough`. Every WebSocket turn runs in `AgentLoop`
+(its response is kept in connection memory for the next turn, `middleware.loop.memory`). Both read the admitted `RequestContext`
 from the scope, write only through its `ClientStream`, and raise failures for the guard
 (`middleware.asgi.guard`) to settle: they never answer an error themselves (DESIGN.md §2, §5).
 """
@@ -30,7 +31,8 @@ class ResponsesApp:
             isinstance(t, dict) and t.get("type") == "mcp" for t in tools
         )
         stateful = self.state.store is not None and (
-            ctx.store
+            ctx.memory is not None  # a WebSocket turn: kept in connection memory
+            or ctx.store
             or ctx.request.get("previous_response_id") is not None
             or ctx.request.get("conversation") is not None
         )

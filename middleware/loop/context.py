@@ -17,6 +17,7 @@ from budget import Ledger, Limits
 if TYPE_CHECKING:
     from middleware.asgi.client_stream import ClientStream
     from middleware.asgi.models import ModelRoute
+    from middleware.loop.memory import ConnectionMemory
 
 #: ``persist_failure(status, error)``: store the response with ``status`` (``failed`` or
 #: ``cancelled``) and its ``error`` object (or None).
@@ -41,6 +42,8 @@ class RequestContext:
     ``model_label``: the ``model`` metric label. ``owner``: the caller's identity (a hash of its
     API key) that stored responses belong to. ``route``: the configured model route (None: not
     configured). ``client``: the one writer to the client. ``hooks``: see `RequestHooks`.
+    ``memory``: the connection-local memory of the WebSocket connection this request is a turn
+    of (None: an HTTP request).
     """
 
     ledger: Ledger
@@ -54,6 +57,7 @@ class RequestContext:
     owner: str = ""
     route: ModelRoute | None = None
     hooks: RequestHooks = dataclasses.field(default_factory=RequestHooks)
+    memory: ConnectionMemory | None = None
 
 
 def context_of(scope: MutableMapping[str, Any]) -> RequestContext:

@@ -201,6 +201,13 @@ class ProcessPool:
         self._publish()
         return RequestReservation(self, nbytes, caller)
 
+    def connection_share(self, *, caller: str) -> RequestReservation:
+        """A reservation of nothing for a WebSocket connection's own ledger (its connection-local
+        memory, `middleware.loop.memory`): its charges draw from the pool and count against
+        ``caller``'s share like a request's, but the connection is not a request in flight (it
+        takes no ``max_requests`` slot; its turns do, each as a request)."""
+        return RequestReservation(self, 0, caller, counted=False)
+
     def draw(self, nbytes: int, *, caller: str) -> RefusedBy | None:
         """Draw ``nbytes`` more for a request of ``caller`` in flight; None when drawn, else the
         limit that refused it — ``admission`` when the pool has no room, ``caller_share`` when
@@ -257,6 +264,7 @@ class RequestReservation:
     held: int = dataclasses.field(init=False)
     closed: bool = False
     refusal: Refusal | None = None
+    counted: bool = True  # a request in flight (``pool.requests``); a connection's share is not
 
     def __post_init__(self) -> None:
         self.held = self.initial
@@ -291,7 +299,8 @@ class RequestReservation:
         self.closed = True
         self.pool.give(self.held, caller=self.caller)
         self.pool.charged -= self.charged
-        self.pool.requests -= 1
+        if self.counted:
+            self.pool.requests -= 1
         self.held = 0
         self.charged = 0
         self.pool._publish()

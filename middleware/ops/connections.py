@@ -173,7 +173,10 @@ def connection_options(settings: Settings, nofile: int | None = None) -> dict[st
     them (single worker and ``--workers`` > 1 alike): ``http`` (the bounded protocol of
     ``settings.http``, bound to its `ConnectionBounds`; picklable, so spawned workers get it),
     ``timeout_keep_alive`` (seconds), ``backlog`` (sockets; `resolve_backlog`) and
-    ``h11_max_incomplete_event_size`` (bytes).
+    ``h11_max_incomplete_event_size`` (bytes), and WebSocket mode's ``ws`` and ``ws_max_size``
+    (`middleware.asgi.websocket.uvicorn_websocket_options`: an upgraded connection keeps its slot
+    in uvicorn's connection set, so it counts toward ``max_connections``, and its transport keeps
+    the bounded close).
 
     ``nofile``: see `resolve_max_connections`. Raises SettingsError as it does.
     """
@@ -183,7 +186,10 @@ def connection_options(settings: Settings, nofile: int | None = None) -> dict[st
         max_header_bytes=settings.max_header_bytes,
         write_timeout=settings.client_write_timeout,
     )
+    from middleware.asgi.websocket import uvicorn_websocket_options
+
     return {
+        **uvicorn_websocket_options(settings),
         "http": protocol_factory(settings.http, bounds),
         "timeout_keep_alive": settings.keepalive_timeout,
         "backlog": resolve_backlog(settings, nofile),
@@ -250,7 +256,7 @@ class ConnectionGuard:
         self.transport = transport
         if open_connections >= self.bounds.max_connections:
             self.refused = True
-            metrics.CAP_HITS.labels(limit="max_connections", outcome="503").inc()
+            metrics.cap_hit("max_connections", "503")
             _THROTTLE.hit(
                 "max_connections",
                 f"refused a connection at accept: {open_connections} open, --max-connections "
@@ -336,7 +342,7 @@ class ConnectionGuard:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        metrics.CAP_HITS.labels(limit="header_timeout", outcome="408").inc()
+        metrics.cap_hit("header_timeout", "408")
         _THROTTLE.hit(
             "header_timeout",
             "closed a connection that sent no complete request head within --header-timeout "

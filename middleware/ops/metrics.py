@@ -22,6 +22,7 @@ an error code becomes the ``code`` label through `stream_error_label`.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,7 +57,16 @@ CAP_LIMITS: tuple[str, ...] = (
     "client_write_timeout",
     "header_timeout",
     "max_connections",
+    "websocket_lifetime",
+    "websocket_idle",
+    "websocket_message_size",
 )
+#: ``loopwarden_cap_hits_total{transport}``: how the request came (HTTP, or a turn or the
+#: connection of a WebSocket at ``/v1/responses``; `TRANSPORT` holds the current one).
+TRANSPORTS: tuple[str, ...] = ("http", "websocket")
+#: ``loopwarden_websocket_turns_total{outcome}``: how one WebSocket turn ended (its terminal
+#: event, or ``cancelled`` when the client went away or stopped reading).
+WEBSOCKET_TURN_OUTCOMES: tuple[str, ...] = ("completed", "incomplete", "failed", "cancelled")
 #: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
 CAP_OUTCOMES: tuple[str, ...] = (
     "400",
@@ -103,6 +113,14 @@ CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     # the outcome is the status the cap stands for
     ("header_timeout", "408"),  # no complete request head within --header-timeout
     ("max_connections", "503"),  # refused at accept: --max-connections open in this worker
+    # WebSocket connections (middleware.asgi.websocket): an error envelope, then a close frame
+    ("websocket_lifetime", "400"),  # websocket_connection_limit_reached, close 1001
+    ("websocket_idle", "408"),  # no message within --websocket-idle-timeout, close 1001
+    ("websocket_message_size", "413"),  # a message over the body clamp, close 1009
+)
+#: Cap-hit limits that only a WebSocket connection hits (pre-initialised for that transport only).
+WEBSOCKET_CAP_LIMITS: frozenset[str] = frozenset(
+    {"websocket_lifetime", "websocket_idle", "websocket_message_size"}
 )
 #: ``loopwarden_upstream_errors_total{kind}``.
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
@@ -265,8 +283,8 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
     MetricSpec(
         "loopwarden_cap_hits_total",
         "counter",
-        "Requests stopped or cut by a limit, by limit and outcome.",
-        {"limit": CAP_LIMITS, "outcome": CAP_OUTCOMES},
+        "Requests stopped or cut by a limit, by limit, outcome and transport.",
+        {"limit": CAP_LIMITS, "outcome": CAP_OUTCOMES, "transport": TRANSPORTS},
     ),
     MetricSpec(
         "loopwarden_stream_errors_total",
@@ -359,6 +377,18 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {},
     ),
     MetricSpec(
+        "loopwarden_websocket_connections",
+        "gauge",
+        "WebSocket connections open now at /v1/responses.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_websocket_turns_total",
+        "counter",
+        "WebSocket turns (response.create messages) served, by how they ended.",
+        {"outcome": WEBSOCKET_TURN_OUTCOMES},
+    ),
+    MetricSpec(
         "loopwarden_memory_pressure_ratio",
         "gauge",
         "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
@@ -403,6 +433,19 @@ UPSTREAM_TTFB = _histogram("loopwarden_upstream_ttfb_seconds")
 ADMISSION_RESERVED = _gauge("loopwarden_admission_reserved_bytes", "livesum")
 ADMISSION_BUDGET = _gauge("loopwarden_admission_budget_bytes", "livesum")
 MEMORY_PRESSURE = _gauge("loopwarden_memory_pressure_ratio", "livemax")
+WEBSOCKET_CONNECTIONS = _gauge("loopwarden_websocket_connections", "livesum")
+WEBSOCKET_TURNS = _counter("loopwarden_websocket_turns_total")
+
+#: The transport of the request being served (the ``transport`` label of a cap hit): ``http``
+#: unless the WebSocket endpoint set it for its connection's task (and the tasks it starts).
+TRANSPORT: contextvars.ContextVar[str] = contextvars.ContextVar("loopwarden_transport", default="http")
+
+
+def cap_hit(limit: str, outcome: str) -> None:
+    """Count one cap hit (``loopwarden_cap_hits_total``) of ``limit`` with ``outcome``, labelled
+    with the current `TRANSPORT`."""
+    CAP_HITS.labels(limit=limit, outcome=outcome, transport=TRANSPORT.get()).inc()
+
 
 _STREAM_ERROR_CODES = frozenset(STREAM_ERROR_CODES)
 
@@ -414,7 +457,11 @@ def stream_error_label(code: str) -> str:
 
 def _preinitialise() -> None:
     for limit, outcome in CAP_HIT_PAIRS:
-        CAP_HITS.labels(limit=limit, outcome=outcome)
+        for transport in TRANSPORTS:
+            if transport == "websocket" or limit not in WEBSOCKET_CAP_LIMITS:
+                CAP_HITS.labels(limit=limit, outcome=outcome, transport=transport)
+    for outcome in WEBSOCKET_TURN_OUTCOMES:
+        WEBSOCKET_TURNS.labels(outcome=outcome)
     for kind in UPSTREAM_ERROR_KINDS:
         UPSTREAM_ERRORS.labels(kind=kind)
     for outcome in TOOL_OUTCOMES:

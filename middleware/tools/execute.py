@@ -59,7 +59,7 @@ from typing import Any, Final, Literal, Protocol
 import anyio
 import mcp
 
-from middleware.ops.metrics import CAP_HITS, TOOL_CALLS, TOOL_DURATION
+from middleware.ops.metrics import TOOL_CALLS, TOOL_DURATION, cap_hit
 from middleware.tools.pool import SessionPool, SessionUnavailable
 from middleware.tools.resolved import ResolvedTools
 from middleware.tools.session import ANSWER_TOO_LARGE, call_not_run, session_failed
@@ -256,7 +256,7 @@ class _Runner:
             except Exception as exc:
                 failure = exc
         if result is None and scope.cancel_called:
-            CAP_HITS.labels(limit="tool_timeout", outcome="tool_error").inc()
+            cap_hit("tool_timeout", "tool_error")
             return "timeout", f"<error: tool timed out after {self.timeout:g}s>", False
         if result is None:
             if failure is not None and ANSWER_TOO_LARGE in describe_exception(failure):
