@@ -230,6 +230,7 @@ def create_app(
         state.catalog = build_catalog(settings, demo=devmodel is not None)
         state.store = open_store(settings.store)
         await state.store.open()
+        metrics.publish_resident_memory(baseline=True)  # before any request: the gateway's own RSS
         try:
             yield
         finally:
