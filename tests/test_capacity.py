@@ -125,22 +125,24 @@ def test_retained_recommendation_fits_the_largest_peak_and_keeps_a_limit_against
 
 
 def test_memory_plan_states_workers_memory_and_margin() -> None:
+    mib = cap.MIB
     m = cap.MemoryInputs(
-        inflight_retained_peak=300 * cap.MIB,
-        pool_bytes=512 * cap.MIB,
+        inflight_retained_peak=300 * mib,
+        pool_bytes=2048 * mib,
         workers=2,
-        rss_peak=400 * cap.MIB,
-        rss_baseline=80 * cap.MIB,
+        rss_peak=400 * mib,
+        rss_baseline=80 * mib,
         pool_fill_peak=0.9,
         admission_refusals=0,
     )
-    plan = cap.plan_memory(m)
+    plan = cap.plan_memory(m, 64 * mib)
     assert plan.workers == 3  # ceil(2 x 0.9 / 0.8)
-    assert plan.memory_per_worker == math.ceil((80 + 256) * 1.25) * cap.MIB
-    assert "x 1.25 margin" in plan.lines[2]
-    assert (
-        cap.plan_memory(
-            cap.MemoryInputs(0, 512 * cap.MIB, 1, 90 * cap.MIB, 80 * cap.MIB, 0.1, admission_refusals=3)
-        ).workers
-        == 2
+    # ledger need: max(300 / 3 x 1.25, 64) = 125 MiB; max(400, 80 + 125) x 1.25 = 500 MiB
+    assert plan.memory_per_worker == 500 * mib and plan.pool_per_worker == 420 * mib
+    assert "x 1.25 margin = 500 MiB" in plan.lines[2]
+    assert "lets ledgers charge more than this memory holds" in plan.lines[-1]  # 1024 MiB per worker now
+    small = cap.plan_memory(
+        cap.MemoryInputs(0, 512 * mib, 1, 90 * mib, 80 * mib, 0.1, admission_refusals=3), 8 * mib
     )
+    assert small.workers == 2  # refusals: one more worker
+    assert small.memory_per_worker == math.ceil(max(90, 80 + 8) * 1.25) * mib

@@ -245,32 +245,49 @@ class MemoryInputs:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Recommended `workers` per target and `memory_per_worker` (bytes), with the lines explaining them."""
+    """Recommended `workers` per target, `memory_per_worker` and the admission pool per worker
+    (`pool_per_worker`, ``--max-inflight-retained-bytes``), bytes, with the lines explaining them."""
 
     workers: int
     memory_per_worker: int
+    pool_per_worker: int
     lines: tuple[str, ...]
 
 
-def plan_memory(m: MemoryInputs) -> MemoryPlan:
-    """Workers: enough that the pool's peak fill stays under `POOL_TARGET_FILL` (one more when
-    admission refused requests). Memory per worker: the baseline RSS plus the whole per-worker pool
-    (the most its ledgers can charge at once), x `MEMORY_MARGIN`; the observed peak RSS is shown."""
+def plan_memory(m: MemoryInputs, max_retained_bytes: float) -> MemoryPlan:
+    """Size workers and their memory from what was observed (bytes; `max_retained_bytes` is the
+    recommended per-request limit).
+
+    Workers: enough that the admission pool's peak fill stays under `POOL_TARGET_FILL`, one more
+    when admission refused requests. Ledger need per worker: the peak live ledger sum over the
+    workers x `MEMORY_MARGIN`, at least one request at `max_retained_bytes`. Memory per worker:
+    the larger of the observed peak RSS and baseline RSS + ledger need, x `MEMORY_MARGIN`. The
+    pool per worker is what that memory holds beyond the baseline, so ledgers cannot outgrow it."""
     workers = max(1, math.ceil(m.workers * m.pool_fill_peak / POOL_TARGET_FILL))
     if m.admission_refusals > 0:
         workers = max(workers, m.workers + 1)
-    per_worker_pool = m.pool_bytes / max(1, m.workers)
-    memory = int(math.ceil((m.rss_baseline + per_worker_pool) * MEMORY_MARGIN / MIB) * MIB)
-    lines = (
-        f"peak live ledger sum: {m.inflight_retained_peak / MIB:.3f} MiB; admission pool "
-        f"{m.pool_bytes / MIB:.1f} MiB over {m.workers} worker(s), peak fill {100 * m.pool_fill_peak:.1f} %"
-        f" (target under {POOL_TARGET_FILL:.0%}), {m.admission_refusals:g} admission refusals",
-        f"worker RSS: baseline {m.rss_baseline / MIB:.1f} MiB, peak {m.rss_peak / MIB:.1f} MiB",
-        f"memory per worker = (baseline {m.rss_baseline / MIB:.1f} MiB + pool {per_worker_pool / MIB:.1f} MiB)"
-        f" x {MEMORY_MARGIN:g} margin = {memory / MIB:.0f} MiB (the pool bounds what ledgers can charge at once;"
-        f" observed peak RSS is {100 * m.rss_peak / memory:.0f} % of it)",
-    )
-    return MemoryPlan(workers, memory, lines)
+    ledger_need = max(m.inflight_retained_peak / workers * MEMORY_MARGIN, max_retained_bytes)
+    need = max(m.rss_peak, m.rss_baseline + ledger_need)
+    memory = int(math.ceil(need * MEMORY_MARGIN / MIB) * MIB)
+    pool = int(memory - m.rss_baseline)
+    current_pool = m.pool_bytes / max(1, m.workers)
+    lines = [
+        f"peak live ledger sum {m.inflight_retained_peak / MIB:.2f} MiB over {m.workers} worker(s); admission pool"
+        f" {current_pool / MIB:.1f} MiB per worker, peak fill {100 * m.pool_fill_peak:.1f} % (more workers above"
+        f" {POOL_TARGET_FILL:.0%}), {m.admission_refusals:g} admission refusals",
+        f"worker RSS: baseline {m.rss_baseline / MIB:.1f} MiB (before any request), peak {m.rss_peak / MIB:.1f} MiB",
+        f"memory per worker = max(peak RSS {m.rss_peak / MIB:.1f}, baseline {m.rss_baseline / MIB:.1f} + ledger need"
+        f" {ledger_need / MIB:.1f} MiB) x {MEMORY_MARGIN:g} margin = {memory / MIB:.0f} MiB; ledger need = max(peak"
+        f" ledger sum per worker x {MEMORY_MARGIN:g}, one request at max_retained_bytes)",
+        f"admission pool per worker (--max-inflight-retained-bytes): {pool} ({pool / MIB:.0f} MiB, the memory"
+        " beyond the baseline)",
+    ]
+    if current_pool > pool:
+        lines.append(
+            f"  the current pool ({current_pool / MIB:.0f} MiB per worker) lets ledgers charge more than this memory"
+            " holds: lower --max-inflight-retained-bytes, or give each worker more memory"
+        )
+    return MemoryPlan(workers, memory, pool, tuple(lines))
 
 
 def table(dist: Distribution, censored: Censored, candidates: Sequence[float]) -> list[StopShare]:

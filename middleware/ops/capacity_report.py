@@ -59,11 +59,12 @@ def _recommend_tool_timeout(obs: Observations) -> cap.Recommendation:
 
 def plan(obs: Observations) -> Plan:
     """The recommendations (`middleware.ops.capacity`) for `obs`."""
+    retained = cap.recommend_retained(obs.peaks, obs.retained_censored)
     return Plan(
         iters=cap.recommend_iters(obs.rounds, obs.rounds_censored),
-        retained=cap.recommend_retained(obs.peaks, obs.retained_censored),
+        retained=retained,
         tool_timeout=_recommend_tool_timeout(obs),
-        memory=cap.plan_memory(obs.memory),
+        memory=cap.plan_memory(obs.memory, retained.value),
     )
 
 
@@ -128,7 +129,8 @@ def render_text(obs: Observations, p: Plan | None = None) -> str:
         "",
         f"recommended: max_retained_bytes={int(p.retained.value)} ({fmt_bytes(p.retained.value)}), "
         f"max_infer_iters={int(p.iters.value)}, tool_timeout={p.tool_timeout.value:g}, "
-        f"workers={p.memory.workers}, memory per worker={p.memory.memory_per_worker // MIB} MiB",
+        f"workers={p.memory.workers}, memory per worker={p.memory.memory_per_worker // MIB} MiB, "
+        f"max_inflight_retained_bytes={p.memory.pool_per_worker}",
         f"  max_retained_bytes: {p.retained.reason}",
         f"  max_infer_iters: {p.iters.reason}",
         f"  tool_timeout: {p.tool_timeout.reason}",
@@ -161,13 +163,15 @@ def chart_specs(obs: Observations, p: Plan) -> list[ChartSpec]:
             f"current max_retained_bytes = {fmt_bytes(rc.cap)} ({rc.count:g} refused)",
             p.retained.value,
             f"recommended = {fmt_bytes(p.retained.value)}",
+            censored=rc.count,
+            censored_in_bars=True,
         ),
         ChartSpec(
             "retained_utilization_ratio",
             f"Retained-bytes utilization (peak / limit), last {w}, {obs.utilization.count:g} requests",
             "peak / max_retained_bytes (bucket upper bound, ratio)",
             _bars(obs.utilization),
-            lambda v: f"{v:.3g}",
+            lambda v: f"{v:.3g}" if math.isfinite(v) else "+Inf",
             1.0,
             "current limit (ratio 1)",
             p.retained.value / rc.cap,

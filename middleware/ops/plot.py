@@ -25,7 +25,8 @@ class PlotUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class ChartSpec:
     """One chart: `bars` as (upper bound, count) per non-cumulative bucket, ascending; `censored`
-    observations drawn past `current`; `fmt` formats a bound for a tick label; `log_x` spaces the
+    observations drawn past `current` (`censored_in_bars`: they are also among `bars`, at the value
+    recorded when they were stopped, so they do not add to the total); `fmt` formats a bound for a tick label; `log_x` spaces the
     bars by log of their bound (bytes, seconds) instead of evenly (rounds)."""
 
     name: str
@@ -38,6 +39,7 @@ class ChartSpec:
     recommended: float | None = None
     recommended_label: str = ""
     censored: float = 0.0
+    censored_in_bars: bool = False
     ylabel: str = "share of requests (%)"
 
 
@@ -57,7 +59,7 @@ def _pyplot() -> Any:
 def _trim(bars: Sequence[tuple[float, float]], keep: Sequence[float]) -> list[tuple[float, float]]:
     """The bars from the first non-empty one (or marked limit) to the last, so a chart is not 120
     empty buckets wide; always at least one."""
-    marks = [b for b, _ in bars if any(b >= k for k in keep)][:1]
+    marks = {next((b for b, _ in bars if b >= k), None) for k in keep}
     nonzero = [i for i, (b, n) in enumerate(bars) if n > 0 or b in marks]
     if not nonzero:
         return list(bars[:1])
@@ -79,14 +81,19 @@ def chart(spec: ChartSpec, directory: Path) -> tuple[Path, Path]:
     import matplotlib as mpl
 
     mpl.rcParams["svg.fonttype"] = "none"  # text stays text in the SVG
-    total = sum(n for _, n in spec.bars) + spec.censored
+    total = sum(n for _, n in spec.bars) + (0.0 if spec.censored_in_bars else spec.censored)
     bars = _trim(spec.bars, [v for v in (spec.current, spec.recommended) if v is not None])
     fig, ax = plt.subplots(figsize=(10, 4.8), dpi=100)
     xs = list(range(len(bars)))
     shares = [100 * n / total if total else 0.0 for _, n in bars]
     ax.bar(xs, shares, width=0.8, color="#3465a4", label="observed (share per bucket)")
+    ticks, labels = (
+        xs[:: max(1, len(bars) // 24)],
+        [spec.fmt(bars[i][0]) for i in xs[:: max(1, len(bars) // 24)]],
+    )
     if spec.censored:
         x = len(bars) + 0.5
+        ticks, labels = [*ticks, x], [*labels, f"> {spec.fmt(spec.current or 0)}"]
         ax.bar(
             [x],
             [100 * spec.censored / total],
@@ -94,7 +101,8 @@ def chart(spec: ChartSpec, directory: Path) -> tuple[Path, Path]:
             color="#cc0000",
             hatch="//",
             alpha=0.6,
-            label=f"stopped at the cap: {spec.censored:g} (need unknown, over {spec.fmt(spec.current or 0)})",
+            label=f"stopped at the cap: {spec.censored:g} (need unknown, over {spec.fmt(spec.current or 0)})"
+            + (" - also drawn at their recorded peak" if spec.censored_in_bars else ""),
         )
     for value, label, style, color in (
         (spec.current, spec.current_label, "-", "#cc0000"),
@@ -102,8 +110,7 @@ def chart(spec: ChartSpec, directory: Path) -> tuple[Path, Path]:
     ):
         if value is not None:
             ax.axvline(_position(bars, value) + 0.45, linestyle=style, color=color, linewidth=2, label=label)
-    step = max(1, len(bars) // 24)
-    ax.set_xticks(xs[::step], [spec.fmt(b) for b, _ in bars][::step], rotation=60, ha="right", fontsize=8)
+    ax.set_xticks(ticks, labels, rotation=60, ha="right", fontsize=8)
     ax.set_xlabel(spec.xlabel)
     ax.set_ylabel(spec.ylabel)
     ax.set_title(spec.title)
