@@ -290,7 +290,7 @@ def test_bucket_ranges_follow_design() -> None:
     )
     ratios = [b2 / b1 for b1, b2 in zip(q.RETAINED_BYTES_BUCKETS, q.RETAINED_BYTES_BUCKETS[1:], strict=False)]
     assert all(abs(r - 2 ** (1 / 8)) < 1e-3 for r in ratios), ratios
-    assert q.ROUNDS_BUCKETS == tuple(float(i) for i in range(1, 101))  # every integer up to the largest cap
+    assert tuple(float(i) for i in range(1, 101)) == q.ROUNDS_BUCKETS  # every integer up to the largest cap
     assert {0.5, 0.25, 0.125, 0.9, 0.95, 0.99} <= set(q.UTILIZATION_BUCKETS)
     assert q.LATENCY_BUCKETS[-1] == 600
     assert q.UTILIZATION_BUCKETS[-1] == 1.0

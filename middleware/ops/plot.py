@@ -87,10 +87,9 @@ def chart(spec: ChartSpec, directory: Path) -> tuple[Path, Path]:
     xs = list(range(len(bars)))
     shares = [100 * n / total if total else 0.0 for _, n in bars]
     ax.bar(xs, shares, width=0.8, color="#3465a4", label="observed (share per bucket)")
-    ticks, labels = (
-        xs[:: max(1, len(bars) // 24)],
-        [spec.fmt(bars[i][0]) for i in xs[:: max(1, len(bars) // 24)]],
-    )
+    shown = xs[:: max(1, len(bars) // 24)]
+    ticks: list[float] = [float(i) for i in shown]
+    labels = [spec.fmt(bars[i][0]) for i in shown]
     if spec.censored:
         x = len(bars) + 0.5
         ticks, labels = [*ticks, x], [*labels, f"> {spec.fmt(spec.current or 0)}"]
