@@ -299,6 +299,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if settings.workers > 1 and settings.store in ("memory", "sqlite://:memory:", "sqlite:///:memory:"):
+        print(
+            f"loopwarden: WARNING: --workers {settings.workers} with --store {settings.store}: each worker has "
+            "its own in-memory store, so previous_response_id and conversations only find what the same "
+            "worker stored (a load balancer spreads them); use --store sqlite:///PATH or postgresql://...",
+            file=sys.stderr,
+        )
     if over := fd_overcommit(settings):
         print(
             f"loopwarden: WARNING: --max-connections, --backlog and the upstream pools may need {over} "

@@ -276,6 +276,13 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {},
     ),
     MetricSpec(
+        "loopwarden_dropped_writes_total",
+        "counter",
+        "Writes to a client connection that was already closing (a reset or closed client): dropped"
+        " without asyncio's per-write warning.",
+        {},
+    ),
+    MetricSpec(
         "loopwarden_tool_calls_total",
         "counter",
         "Gateway-owned tool calls, by outcome (ok, error, timeout, refused, invalid_arguments, too_large).",
@@ -395,6 +402,7 @@ STREAM_ERRORS = _counter("loopwarden_stream_errors_total")
 UPSTREAM_ERRORS = _counter("loopwarden_upstream_errors_total")
 CLIENT_DISCONNECTS = _counter("loopwarden_client_disconnects_total")
 TOOL_CALLS = _counter("loopwarden_tool_calls_total")
+DROPPED_WRITES = _counter("loopwarden_dropped_writes_total")
 TOOL_DURATION = _histogram("loopwarden_tool_call_duration_seconds")
 INFERENCE_ROUNDS = _histogram("loopwarden_inference_rounds")
 RETAINED_PEAK = _histogram("loopwarden_retained_bytes_peak")
