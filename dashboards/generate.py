@@ -379,8 +379,9 @@ def _operations() -> JSON:
         Panel(
             "Client disconnects",
             "Requests per second whose client went away before the answer was complete; upstream reads and"
-            " running tools are cancelled.",
-            ["client_disconnects"],
+            " running tools are cancelled. Dropped writes: writes per second to a connection that was already"
+            " closing (a client reset mid-stream), dropped and counted instead of logged.",
+            ["client_disconnects", "dropped_writes"],
             unit="reqps",
             width=6,
             height=6,

@@ -239,6 +239,11 @@ _QUERY_LIST: list[Query] = [
     Query("targets_total", 'count(up{job=~"$job"})', "targets"),
     Query("inflight_requests", f"sum by (instance) ({_sel('loopwarden_inflight_requests')})", "{{instance}}"),
     Query("client_disconnects", f"sum({_rate('loopwarden_client_disconnects_total')})", "client disconnects"),
+    Query(
+        "dropped_writes",
+        f"sum({_rate('loopwarden_dropped_writes_total')})",
+        "dropped writes (closing connection)",
+    ),
     # cap hits and failures
     Query(
         "cap_hits_by_limit_outcome",

@@ -66,7 +66,7 @@ def _trim(bars: Sequence[tuple[float, float]], keep: Sequence[float]) -> list[tu
     return list(bars[max(0, nonzero[0] - 1) : nonzero[-1] + 2])
 
 
-def _position(bars: Sequence[tuple[float, float]], value: float) -> float:
+def _position(bars: Sequence[tuple[float, float]], value: float) -> int:
     """The x position (bar index) of `value`: the bar whose bound is the first >= value."""
     for i, (bound, _) in enumerate(bars):
         if bound >= value:
@@ -87,7 +87,8 @@ def chart(spec: ChartSpec, directory: Path) -> tuple[Path, Path]:
     xs = list(range(len(bars)))
     shares = [100 * n / total if total else 0.0 for _, n in bars]
     ax.bar(xs, shares, width=0.8, color="#3465a4", label="observed (share per bucket)")
-    shown = xs[:: max(1, len(bars) // 24)]
+    marked = {_position(bars, v) for v in (spec.current, spec.recommended) if v is not None}
+    shown = sorted({*xs[:: max(1, len(bars) // 24)], *(i for i in marked if i < len(bars))})
     ticks: list[float] = [float(i) for i in shown]
     labels = [spec.fmt(bars[i][0]) for i in shown]
     if spec.censored:
