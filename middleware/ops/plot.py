@@ -88,7 +88,8 @@ def chart(spec: ChartSpec, directory: Path) -> tuple[Path, Path]:
     shares = [100 * n / total if total else 0.0 for _, n in bars]
     ax.bar(xs, shares, width=0.8, color="#3465a4", label="observed (share per bucket)")
     marked = {_position(bars, v) for v in (spec.current, spec.recommended) if v is not None}
-    shown = sorted({*xs[:: max(1, len(bars) // 24)], *(i for i in marked if i < len(bars))})
+    regular = [i for i in xs[:: max(1, len(bars) // 24)] if all(abs(i - m) > 1 or i == m for m in marked)]
+    shown = sorted({*regular, *(i for i in marked if i < len(bars))})  # marked limits always labelled
     ticks: list[float] = [float(i) for i in shown]
     labels = [spec.fmt(bars[i][0]) for i in shown]
     if spec.censored:
