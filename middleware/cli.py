@@ -207,6 +207,17 @@ def uvicorn_options(settings: Settings, nofile: int | None = None) -> dict[str, 
     }
 
 
+def _warn_per_worker_store(settings: Settings) -> None:
+    """With ``--workers`` > 1 an in-memory store is one store per worker: say so at start-up."""
+    if settings.workers > 1 and settings.store in ("memory", "sqlite://:memory:", "sqlite:///:memory:"):
+        print(
+            f"loopwarden: WARNING: --workers {settings.workers} with --store {settings.store}: each worker has "
+            "its own in-memory store, so previous_response_id and conversations only find what the same "
+            "worker stored (a load balancer spreads them); use --store sqlite:///PATH or postgresql://...",
+            file=sys.stderr,
+        )
+
+
 def _capacity(args: argparse.Namespace) -> int:
     """``loopwarden capacity``: print the report; with --plot / --report write charts / HTML."""
     from pathlib import Path
@@ -299,13 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    if settings.workers > 1 and settings.store in ("memory", "sqlite://:memory:", "sqlite:///:memory:"):
-        print(
-            f"loopwarden: WARNING: --workers {settings.workers} with --store {settings.store}: each worker has "
-            "its own in-memory store, so previous_response_id and conversations only find what the same "
-            "worker stored (a load balancer spreads them); use --store sqlite:///PATH or postgresql://...",
-            file=sys.stderr,
-        )
+    _warn_per_worker_store(settings)
     if over := fd_overcommit(settings):
         print(
             f"loopwarden: WARNING: --max-connections, --backlog and the upstream pools may need {over} "

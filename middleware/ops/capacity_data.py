@@ -109,6 +109,28 @@ def _current_retained_limit(client: httpx.Client, url: str, window: str) -> floa
     return round(peak_sum / ratio_sum) if peak_sum > 0 and ratio_sum > 0 else None
 
 
+def _memory_inputs(client: httpx.Client, url: str, window: str, workers: int) -> cap.MemoryInputs:
+    """The peaks of the memory gauges over `window` (the largest over targets) and admission refusals."""
+    return cap.MemoryInputs(
+        inflight_retained_peak=_peak(
+            client, url, f"max_over_time(loopwarden_inflight_retained_bytes[{window}])"
+        ),
+        pool_bytes=_peak(client, url, f"max_over_time(loopwarden_admission_budget_bytes[{window}])"),
+        workers=workers,
+        rss_peak=_peak(client, url, f"max_over_time(loopwarden_worker_resident_memory_bytes[{window}])"),
+        rss_baseline=_peak(
+            client, url, f"max_over_time(loopwarden_worker_baseline_resident_memory_bytes[{window}])"
+        ),
+        pool_fill_peak=_peak(
+            client,
+            url,
+            "max_over_time((sum by (instance) (loopwarden_admission_reserved_bytes) / sum by (instance) "
+            f"(loopwarden_admission_budget_bytes))[{window}:1s])",
+        ),
+        admission_refusals=_cap_hits(client, url, "admission", window),
+    )
+
+
 def gather(
     url: str,
     *,
@@ -140,24 +162,7 @@ def gather(
             sources.append(
                 "max_retained_bytes " + ("inferred from peak / utilization" if inferred else "default")
             )
-        memory = cap.MemoryInputs(
-            inflight_retained_peak=_peak(
-                client, url, f"max_over_time(loopwarden_inflight_retained_bytes[{window}])"
-            ),
-            pool_bytes=_peak(client, url, f"max_over_time(loopwarden_admission_budget_bytes[{window}])"),
-            workers=workers,
-            rss_peak=_peak(client, url, f"max_over_time(loopwarden_worker_resident_memory_bytes[{window}])"),
-            rss_baseline=_peak(
-                client, url, f"max_over_time(loopwarden_worker_baseline_resident_memory_bytes[{window}])"
-            ),
-            pool_fill_peak=_peak(
-                client,
-                url,
-                "max_over_time((sum by (instance) (loopwarden_admission_reserved_bytes) / sum by (instance) "
-                f"(loopwarden_admission_budget_bytes))[{window}:1s])",
-            ),
-            admission_refusals=_cap_hits(client, url, "admission", window),
-        )
+        memory = _memory_inputs(client, url, window, workers)
         return Observations(
             window=window,
             rounds=rounds,
