@@ -4,13 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint types unit bench clean prometheus postgres
+.PHONY: run test lint types unit bench clean prometheus prometheus-install postgres
 
 $(STAMP): pyproject.toml
 	@echo "bootstrapping $(VENV) (first run installs the project and its test tools)..."
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
-	@$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	@$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,plots]'
 	@touch $(STAMP)
 
 run: $(STAMP)
@@ -24,13 +24,17 @@ types: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/mypy --strict dashboards
 
+# A local Prometheus scraping the running gateway (`make run`), alert rules loaded; foreground.
 prometheus:
+	bash scripts/run-prometheus.sh
+
+prometheus-install:
 	bash scripts/ensure-prometheus.sh
 
 postgres:
 	bash scripts/ensure-postgres.sh
 
-unit: $(STAMP) prometheus postgres
+unit: $(STAMP) prometheus-install postgres
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test: lint types unit
@@ -39,4 +43,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/ledger.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf .prometheus $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -379,8 +379,9 @@ def _operations() -> JSON:
         Panel(
             "Client disconnects",
             "Requests per second whose client went away before the answer was complete; upstream reads and"
-            " running tools are cancelled.",
-            ["client_disconnects"],
+            " running tools are cancelled. Dropped writes: writes per second to a connection that was already"
+            " closing (a client reset mid-stream), dropped and counted instead of logged.",
+            ["client_disconnects", "dropped_writes"],
             unit="reqps",
             width=6,
             height=6,
@@ -500,15 +501,19 @@ def _operations() -> JSON:
 
 
 def _capacity() -> JSON:
-    retained = [f"rejected_at_{limit // q.MiB}mib" for limit in q.CANDIDATE_RETAINED_LIMITS]
-    iters = [f"rejected_at_{n}_iters" for n in q.CANDIDATE_INFER_ITERS]
+    retained = [
+        f"rejected_at_{limit // q.MiB}mib{suffix}"
+        for limit in q.CANDIDATE_RETAINED_LIMITS
+        for suffix in ("", "_max")
+    ]
+    iters = [f"rejected_at_{n}_iters{suffix}" for n in q.CANDIDATE_INFER_ITERS for suffix in ("", "_max")]
     items: list[Panel | Row] = [
         Row("Retained bytes", "How much of max_retained_bytes requests really use."),
         Panel(
             "Peak retained bytes per request",
             "Quantiles (p50, p90, p99) and mean of the peak retained bytes charged to one request's ledger,"
             " against the configured max_retained_bytes (dashboard variable, default 64 MiB). Quantiles are"
-            " interpolated inside power-of-two buckets.",
+            " interpolated inside buckets 2^(1/8) apart (about 9 %).",
             [*_quantile_keys("retained_peak"), "retained_peak_mean", "max_retained_bytes"],
             unit="bytes",
         ),
@@ -528,10 +533,11 @@ def _capacity() -> JSON:
         ),
         Panel(
             "Requests each max_retained_bytes would reject",
-            "Over the dashboard's time range: share of requests whose peak retained bytes exceed each"
-            " candidate limit (1 - bucket(le=limit) / count). A lower bound: a request already rejected by"
-            " the current limit stopped at that limit, so it shows as fitting every candidate at or above it;"
-            " read 'Cap hits by limit and outcome' (limit max_retained_bytes) beside it.",
+            "Over the dashboard's time range: at least / at most the share of requests each candidate limit"
+            " would have stopped, the same figures as `loopwarden capacity`. Requests refused at the current"
+            " max_retained_bytes (dashboard variable) are censored: they needed more than it, how much is"
+            " unknown, so a candidate at or above the current limit shows a range (at most = at least + the"
+            " censored share); below it they are all stopped.",
             retained,
             kind="bargauge",
             unit="percentunit",
@@ -546,10 +552,22 @@ def _capacity() -> JSON:
         ),
         Panel(
             "Requests each max_infer_iters would reject",
-            "Over the dashboard's time range: share of requests that made more inference calls than each"
-            " candidate max_infer_iters (1 - bucket(le=n) / count); under that limit they would have ended"
-            " in 508 or an SSE error. Requests already stopped at the current limit count as fitting it.",
+            "Over the dashboard's time range: at least / at most the share of requests each candidate"
+            " max_infer_iters would have stopped (508 or an SSE error), the same figures as `loopwarden"
+            " capacity`. Requests stopped at the current cap (dashboard variable max_infer_iters) needed"
+            " more rounds than it: they count as stopped by every candidate up to the cap, and as unknown"
+            " (the range) above it.",
             iters,
+            kind="bargauge",
+            unit="percentunit",
+            instant=True,
+        ),
+        Panel(
+            "Requests stopped at the current caps (censored)",
+            "Over the dashboard's time range: share of requests stopped at the current max_retained_bytes"
+            " and max_infer_iters. Their need is unknown (more than the cap); `loopwarden capacity` says"
+            " whether they look like runaway loops before recommending a higher cap.",
+            ["censored_share"],
             kind="bargauge",
             unit="percentunit",
             instant=True,
@@ -558,11 +576,17 @@ def _capacity() -> JSON:
         Panel(
             "In-flight retained bytes vs worker memory",
             "Per instance: retained bytes charged to all live ledgers (an upper bound on what the requests in"
-            " flight keep alive), the process's resident memory (absent in multiprocess mode), and the worker"
+            " flight keep alive), the largest worker's resident memory now and at start (the gateway's own"
+            " baseline; loopwarden_worker_*resident_memory_bytes, exported in multiprocess mode too), and the worker"
             f" memory budget (dashboard variable, default {q.WORKER_MEMORY_BYTES // q.GiB} GiB;"
             " LoopwardenInflightRetainedNearWorkerMemory fires at"
             f" {q.WORKER_MEMORY_FRACTION:.0%} of it).",
-            ["inflight_retained_by_instance", "resident_memory_by_instance", "worker_memory"],
+            [
+                "inflight_retained_by_instance",
+                "resident_memory_by_instance",
+                "baseline_memory_by_instance",
+                "worker_memory",
+            ],
             unit="bytes",
         ),
         Panel(
@@ -607,6 +631,11 @@ def _capacity() -> JSON:
                 "max_retained_bytes",
                 "max_retained_bytes",
                 "The gateway's configured max_retained_bytes, in bytes (drawn as a reference line).",
+            ),
+            _textbox_variable(
+                "max_infer_iters",
+                "max_infer_iters",
+                "The gateway's configured max_infer_iters (requests stopped at it are censored).",
             ),
             _textbox_variable(
                 "worker_memory_bytes",

@@ -121,7 +121,7 @@ DEFAULT_MAX_RETAINED_BYTES = 64 * MiB
 WORKER_MEMORY_BYTES = 2 * GiB
 #: Candidate ``max_retained_bytes`` values for "share of requests each limit would reject";
 #: each is a bound in `RETAINED_BYTES_BUCKETS`.
-CANDIDATE_RETAINED_LIMITS: tuple[int, ...] = (16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB)
+CANDIDATE_RETAINED_LIMITS: tuple[int, ...] = (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB)
 #: Candidate ``max_infer_iters`` values; each is a bound in `ROUNDS_BUCKETS`.
 CANDIDATE_INFER_ITERS: tuple[int, ...] = (3, 5, 10, 20)
 QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
@@ -130,9 +130,13 @@ JOB_VARIABLE_METRIC = "loopwarden_requests_total"
 
 #: Dashboard variables and the value each gets outside Grafana (validation, the live check):
 #: ``job`` matches every job; the others take their default.
+#: The default ``max_infer_iters`` (DESIGN.md §3).
+DEFAULT_MAX_INFER_ITERS = 10
+
 DASHBOARD_VARIABLES: Mapping[str, str] = {
     "job": ".+",
     "max_retained_bytes": str(DEFAULT_MAX_RETAINED_BYTES),
+    "max_infer_iters": str(DEFAULT_MAX_INFER_ITERS),
     "worker_memory_bytes": str(WORKER_MEMORY_BYTES),
 }
 
@@ -175,12 +179,37 @@ def _share_above(histogram: str, bound: float, window: str, fn: str = "increase"
     return f"1 - sum({fn}({bucket}[{window}])) / sum({fn}({count}[{window}]))"
 
 
+def _stopped_share(histogram: str, limit_name: str, bound: float, *, high: bool) -> str:
+    """At least (`high` False) / at most (True) the share of requests a cap of `bound` would have
+    stopped over ``$__range``, counting the requests the current cap ``$<limit_name>`` stopped as
+    censored: they needed more than it (``middleware.ops.capacity``, which ``loopwarden capacity``
+    uses). Rounds' censored requests are recorded at the cap itself; retained bytes' anywhere under
+    it. `bound` must be a bucket bound."""
+    n = f"sum(increase({_sel(histogram + '_count')}[$__range]))"
+    le = _sel(histogram + "_bucket", f'le=~"{le_regex(bound)}"')
+    above = f"({n} - sum(increase({le}[$__range])))"
+    hits = _sel("loopwarden_cap_hits_total", 'limit="' + limit_name + '"')
+    k = f"sum(increase({hits}[$__range]))"
+    current = f"${limit_name}"
+    b = f"{bound:g}" if bound < 1e6 else str(int(bound))
+    if limit_name == "max_infer_iters":
+        count = (
+            f"{above} + {k} * ({b} >= bool {current})" if high else f"{above} + {k} * ({b} == bool {current})"
+        )
+    elif high:
+        count = f"clamp_max({above} + {k}, scalar({n}))"
+    else:
+        count = f"clamp_min({above} + {k} * ({b} == bool {current}), scalar({k}) * ({b} < bool {current}))"
+    return f"({count}) / {n}"
+
+
 def _mib(value: int) -> str:
     return f"{value // MiB} MiB"
 
 
 _NOT_2XX = 'status!~"2.."'
 _NOT_MAX_TOOL_CALLS = 'limit!="max_tool_calls"'
+_CENSORING_LIMITS = 'limit=~"max_retained_bytes|max_infer_iters"'
 _CAP_STATUSES = 'status=~"413|502|508"'
 _TOOL_NOT_OK = 'outcome!="ok"'
 _NOT_PREINIT = "empty until a request produces this label set, unless the app pre-initialises it"
@@ -210,6 +239,11 @@ _QUERY_LIST: list[Query] = [
     Query("targets_total", 'count(up{job=~"$job"})', "targets"),
     Query("inflight_requests", f"sum by (instance) ({_sel('loopwarden_inflight_requests')})", "{{instance}}"),
     Query("client_disconnects", f"sum({_rate('loopwarden_client_disconnects_total')})", "client disconnects"),
+    Query(
+        "dropped_writes",
+        f"sum({_rate('loopwarden_dropped_writes_total')})",
+        "dropped writes (closing connection)",
+    ),
     # cap hits and failures
     Query(
         "cap_hits_by_limit_outcome",
@@ -335,11 +369,18 @@ _QUERY_LIST: list[Query] = [
     ),
     *(
         Query(
-            f"rejected_at_{limit // MiB}mib",
-            _share_above("loopwarden_retained_bytes_peak", limit, "$__range"),
-            f"max_retained_bytes = {_mib(limit)}",
+            f"rejected_at_{limit // MiB}mib{suffix}",
+            _stopped_share("loopwarden_retained_bytes_peak", "max_retained_bytes", limit, high=high),
+            f"max_retained_bytes = {_mib(limit)}{legend}",
         )
         for limit in CANDIDATE_RETAINED_LIMITS
+        for suffix, high, legend in (("", False, " (at least)"), ("_max", True, " (at most)"))
+    ),
+    Query(
+        "censored_share",
+        f"sum by (limit) (increase({_sel('loopwarden_cap_hits_total', _CENSORING_LIMITS)}[$__range]))"
+        f" / scalar(sum(increase({_sel('loopwarden_retained_bytes_peak_count')}[$__range])))",
+        "stopped at the current {{limit}} (need unknown)",
     ),
     # capacity: rounds
     *(
@@ -353,11 +394,12 @@ _QUERY_LIST: list[Query] = [
     ),
     *(
         Query(
-            f"rejected_at_{iters}_iters",
-            _share_above("loopwarden_inference_rounds", iters, "$__range"),
-            f"max_infer_iters = {iters}",
+            f"rejected_at_{iters}_iters{suffix}",
+            _stopped_share("loopwarden_inference_rounds", "max_infer_iters", iters, high=high),
+            f"max_infer_iters = {iters}{legend}",
         )
         for iters in CANDIDATE_INFER_ITERS
+        for suffix, high, legend in (("", False, " (at least)"), ("_max", True, " (at most)"))
     ),
     # capacity: memory
     Query(
@@ -367,9 +409,13 @@ _QUERY_LIST: list[Query] = [
     ),
     Query(
         "resident_memory_by_instance",
-        f"sum by (instance) ({_sel('process_resident_memory_bytes')})",
-        "{{instance}} resident memory",
-        may_be_empty=_MULTIPROCESS,
+        f"max by (instance) ({_sel('loopwarden_worker_resident_memory_bytes')})",
+        "{{instance}} largest worker RSS",
+    ),
+    Query(
+        "baseline_memory_by_instance",
+        f"max by (instance) ({_sel('loopwarden_worker_baseline_resident_memory_bytes')})",
+        "{{instance}} worker RSS at start (baseline)",
     ),
     Query("worker_memory", "vector($worker_memory_bytes)", "worker memory (WORKER_MEMORY_BYTES)"),
     Query(

@@ -207,8 +207,11 @@ def create_app(
         )
         if base_url is None:
             from middleware.dev.devmodel import create_devmodel_app
+            from middleware.ops.request_id import DEVMODEL_THREAD
 
-            devmodel = BackgroundServer(create_devmodel_app())
+            # its uvicorn logs from this thread: `DevModelFilter` keeps its lifecycle and access
+            # lines out of the gateway's log (the warning below says it is there, once)
+            devmodel = BackgroundServer(create_devmodel_app(), thread_name=DEVMODEL_THREAD)
             base_url = (await asyncio.to_thread(devmodel.start)) + "/v1"
             log.warning(
                 "no --upstream given: serving the embedded development model at %s "
@@ -233,6 +236,7 @@ def create_app(
         state.catalog = build_catalog(settings, demo=devmodel is not None)
         state.store = open_store(settings.store)
         await state.store.open()
+        metrics.publish_resident_memory(baseline=True)  # before any request: the gateway's own RSS
         try:
             yield
         finally:

@@ -219,6 +219,49 @@ def uvicorn_options(settings: Settings, nofile: int | None = None) -> dict[str, 
     }
 
 
+def _warn_per_worker_store(settings: Settings) -> None:
+    """With ``--workers`` > 1 an in-memory store is one store per worker: say so at start-up."""
+    if settings.workers > 1 and settings.store in ("memory", "sqlite://:memory:", "sqlite:///:memory:"):
+        print(
+            f"loopwarden: WARNING: --workers {settings.workers} with --store {settings.store}: each worker has "
+            "its own in-memory store, so previous_response_id and conversations only find what the same "
+            "worker stored (a load balancer spreads them); use --store sqlite:///PATH or postgresql://...",
+            file=sys.stderr,
+        )
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    """``loopwarden capacity``: print the report; with --plot / --report write charts / HTML."""
+    from pathlib import Path
+
+    from middleware.ops.capacity_data import CapacityError, gather
+    from middleware.ops.capacity_report import render_text, write_charts, write_html
+    from middleware.ops.plot import PlotUnavailable
+
+    try:
+        obs = gather(
+            args.prometheus,
+            window=args.window,
+            workers=args.workers,
+            max_infer_iters=args.max_infer_iters,
+            max_retained_bytes=args.max_retained_bytes,
+            tool_timeout=args.tool_timeout,
+        )
+        if args.report:
+            report = Path(args.report)
+            print(write_html(obs, report, Path(args.plot) if args.plot else report.parent))
+            print(f"\nwrote {report}")
+        else:
+            print(render_text(obs))
+            if args.plot:
+                for png, svg in write_charts(obs, Path(args.plot)):
+                    print(f"wrote {png} and {svg}")
+    except (CapacityError, PlotUnavailable) as exc:
+        print(f"loopwarden capacity: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``loopwarden`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -234,18 +277,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--prometheus", required=True, help="base URL of the Prometheus server, e.g. http://127.0.0.1:9090"
     )
     cap.add_argument("--window", default="1h", help="PromQL range to look back over (default 1h)")
-    cap.add_argument("--plot", help="also write FILE.png: the share of requests per utilization bucket")
+    cap.add_argument("--plot", metavar="DIR", help="also write the four charts to DIR as PNG and SVG")
+    cap.add_argument("--report", metavar="FILE.html", help="also write one self-contained HTML page")
+    cap.add_argument("--workers", type=int, default=1, help="worker processes per scrape target (default 1)")
+    cap.add_argument("--max-infer-iters", type=int, help="the cap in force (default: inferred, else 10)")
+    cap.add_argument(
+        "--max-retained-bytes", type=int, help="the limit in force (default: inferred, else 64 MiB)"
+    )
+    cap.add_argument("--tool-timeout", type=float, default=60.0, help="the tool timeout in force, seconds")
     args = parser.parse_args(argv)
 
     if args.command == "capacity":
-        from middleware.ops.capacity import CapacityError, report
-
-        try:
-            print(report(args.prometheus, window=args.window, plot=args.plot))
-        except CapacityError as exc:
-            print(f"loopwarden capacity: {exc}", file=sys.stderr)
-            return 1
-        return 0
+        return _capacity(args)
 
     if args.command == "devmodel":
         from middleware.dev.devmodel import create_devmodel_app
@@ -253,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvicorn.run(create_devmodel_app(), host=args.host, port=args.port, log_level="info")
         return 0
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "prometheus", "window", "plot")}
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
     try:
         settings = load_settings(flags, os.environ)
     except SettingsError as exc:
@@ -279,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
+    _warn_per_worker_store(settings)
     if over := fd_overcommit(settings):
         print(
             f"loopwarden: WARNING: --max-connections, --backlog and the upstream pools may need {over} "

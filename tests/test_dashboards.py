@@ -282,11 +282,16 @@ def test_histogram_buckets_are_increasing_and_le_regexes_pick_exactly_one(spec: 
 
 def test_bucket_ranges_follow_design() -> None:
     assert q.RETAINED_BYTES_BUCKETS[0] == 4096 and q.RETAINED_BYTES_BUCKETS[-1] == 268435456
-    assert all(
-        b2 == 2 * b1 for b1, b2 in zip(q.RETAINED_BYTES_BUCKETS, q.RETAINED_BYTES_BUCKETS[1:], strict=False)
+    # 8 bounds per doubling (issue 20): every power of two is a bound, 7 integers between each pair
+    powers = [float(4096 * 2**i) for i in range(17)]
+    assert q.RETAINED_BYTES_BUCKETS[::8] == tuple(powers)
+    assert len(q.RETAINED_BYTES_BUCKETS) == 16 * 8 + 1 and all(
+        b.is_integer() for b in q.RETAINED_BYTES_BUCKETS
     )
-    assert q.ROUNDS_BUCKETS[0] == 1 and q.ROUNDS_BUCKETS[-1] == 100
-    assert all(b.is_integer() for b in q.ROUNDS_BUCKETS)
+    ratios = [b2 / b1 for b1, b2 in zip(q.RETAINED_BYTES_BUCKETS, q.RETAINED_BYTES_BUCKETS[1:], strict=False)]
+    assert all(abs(r - 2 ** (1 / 8)) < 1e-3 for r in ratios), ratios
+    assert tuple(float(i) for i in range(1, 101)) == q.ROUNDS_BUCKETS  # every integer up to the largest cap
+    assert {0.5, 0.25, 0.125, 0.9, 0.95, 0.99} <= set(q.UTILIZATION_BUCKETS)
     assert q.LATENCY_BUCKETS[-1] == 600
     assert q.UTILIZATION_BUCKETS[-1] == 1.0
     assert set(q.CANDIDATE_RETAINED_LIMITS) <= set(q.RETAINED_BYTES_BUCKETS)
@@ -404,26 +409,48 @@ def test_candidate_limit_queries_compute_the_rejected_share(
     """Run the capacity panels' PromQL on a known distribution in promtool's PromQL engine.
 
     Per minute: 100 requests; peaks: 60 up to 8 MiB, 25 up to 16 MiB, 10 up to 32 MiB, 5 up to
-    64 MiB. Rounds: 70 with 1, 20 with up to 5, 10 with up to 12.
+    64 MiB, and 5 more requests refused at max_retained_bytes=64 MiB (censored, recorded among the
+    peaks above). Rounds: 70 with 1, 20 with up to 5, 10 stopped at max_infer_iters=10 (censored:
+    recorded with 10 rounds, they needed more; the bug report's "a cap of 10 stops 0 %" case).
     """
     mib = float(q.MiB)
     peaks = {8 * mib: 60.0, 16 * mib: 85.0, 32 * mib: 95.0, 64 * mib: 100.0}
-    rounds = {1.0: 70.0, 5.0: 90.0, 12.0: 100.0}
+    rounds = {1.0: 70.0, 5.0: 90.0, 10.0: 100.0}
     utilization = {0.5: 80.0, 0.9: 96.0, 1.0: 100.0}
+    hits = [
+        {
+            "series": f'loopwarden_cap_hits_total{{job="lw", instance="gw-1:8000", limit="{limit}", outcome="{o}", transport="http"}}',
+            "values": f"0+{n}x60",
+        }
+        for limit, o, n in (("max_infer_iters", "508", 10), ("max_retained_bytes", "413", 5))
+    ]
     series = (
         _histogram_input(q.METRICS["loopwarden_retained_bytes_peak"], "lw", peaks, le_text)
         + _histogram_input(q.METRICS["loopwarden_inference_rounds"], "lw", rounds, le_text)
         + _histogram_input(q.METRICS["loopwarden_retained_utilization_ratio"], "lw", utilization, le_text)
+        + hits
     )
     expected = {
+        "rejected_at_4mib": 1.0,
+        "rejected_at_4mib_max": 1.0,
+        "rejected_at_8mib": 0.4,
+        "rejected_at_8mib_max": 0.45,
         "rejected_at_16mib": 0.15,
+        "rejected_at_16mib_max": 0.2,
         "rejected_at_32mib": 0.05,
-        "rejected_at_64mib": 0.0,
+        "rejected_at_32mib_max": 0.1,
+        "rejected_at_64mib": 0.05,  # every refused request needed more than 64 MiB
+        "rejected_at_64mib_max": 0.05,
         "rejected_at_128mib": 0.0,
+        "rejected_at_128mib_max": 0.05,  # unknown: they may need more than 128 MiB
         "rejected_at_3_iters": 0.3,
+        "rejected_at_3_iters_max": 0.3,
         "rejected_at_5_iters": 0.1,
-        "rejected_at_10_iters": 0.1,
+        "rejected_at_5_iters_max": 0.1,
+        "rejected_at_10_iters": 0.1,  # the 10 stopped at the cap (the old query said 0)
+        "rejected_at_10_iters_max": 0.1,
         "rejected_at_20_iters": 0.0,
+        "rejected_at_20_iters_max": 0.1,
         "utilization_over_50": 0.2,
         "utilization_over_90": 0.04,
     }

@@ -37,6 +37,9 @@ PENDING_METRICS: Mapping[str, str] = {
 #: leaves this mapping.
 UNDECLARED_METRICS: Mapping[str, str] = {
     "loopwarden_memory_pressure_ratio": "issue 10 (memory-pressure shedding): gauge, no labels",
+    "loopwarden_worker_resident_memory_bytes": "issue 20 (capacity): gauge, no labels (largest live worker)",
+    "loopwarden_worker_baseline_resident_memory_bytes": "issue 20 (capacity): gauge, no labels",
+    "loopwarden_dropped_writes_total": "issue 20 (log hygiene): counter, no labels",
 }
 #: Cap-hit ``limit`` values DESIGN.md §8 adds for the second batch, not built yet. The WebSocket
 #: and translation values belong to those capabilities. (``caller_share``, issue "memory truth",

@@ -23,7 +23,13 @@ class BackgroundServer:
     """
 
     def __init__(
-        self, app: Any, *, host: str = "127.0.0.1", log_level: str | None = None, **config: Any
+        self,
+        app: Any,
+        *,
+        host: str = "127.0.0.1",
+        log_level: str | None = None,
+        thread_name: str | None = None,
+        **config: Any,
     ) -> None:
         # proto=IPPROTO_TCP lets asyncio set TCP_NODELAY on accepted connections (no 40 ms delayed-ACK stalls)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -41,7 +47,7 @@ class BackgroundServer:
         config.setdefault("log_config", None)
         self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **config))
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True, name=thread_name
         )
 
     @property

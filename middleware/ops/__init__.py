@@ -10,8 +10,11 @@ One job per module:
 * `request_id` — `RequestIdMiddleware` and `log_config`: ``x-request-id`` on every answer and
   log line.
 * `redact` — `redact`, `redact_url`: operator secrets and URL credentials kept out of messages.
-* `capacity` — ``loopwarden capacity``: limits and worker memory from observed traffic.
-* `plot` — `bar_chart_png`: the dependency-free PNG chart of ``loopwarden capacity --plot``.
+* `capacity` — ``loopwarden capacity``'s arithmetic: stopped shares with censored requests (cap
+  hits), recommended limits, workers and memory per worker.
+* `capacity_data` — `gather`: one window of the gateway's metrics read from Prometheus.
+* `capacity_report` — the text report, the charts and the self-contained HTML page.
+* `plot` — `chart`: one matplotlib chart (PNG and SVG) per histogram (the ``plots`` extra).
 
 Nothing is re-exported here: import from the module.
 """

@@ -266,7 +266,27 @@ class ConnectionGuard:
             return False
         self._arm()
         self._bound_close(transport)
+        self._drop_writes_when_closing(transport)
         return True
+
+    @staticmethod
+    def _drop_writes_when_closing(transport: asyncio.Transport) -> None:
+        """Drop (and count in ``loopwarden_dropped_writes_total``) every write to a transport that
+        is closing: after a client reset the socket, asyncio's transport logs
+        ``socket.send() raised exception.`` for each further write, and a streamed answer writes
+        many before uvicorn hears of the disconnect (one loop turn later); nothing written then
+        can reach the client. A transport that does not allow it (a C implementation) keeps its
+        stock write."""
+        original = transport.write
+
+        def write(data: bytes | bytearray | memoryview) -> None:
+            if transport.is_closing():
+                metrics.DROPPED_WRITES.inc()
+                return
+            original(data)
+
+        with contextlib.suppress(AttributeError):
+            transport.write = write  # type: ignore[method-assign]
 
     def _bound_close(self, transport: asyncio.Transport) -> None:
         """Make ``transport.close()`` bounded: a close flushes what is buffered first, and a

@@ -188,43 +188,32 @@ OTHER_MODEL = "other"
 
 # --- histogram buckets -------------------------------------------------------------------------
 
-#: ``loopwarden_retained_bytes_peak``: powers of two from 4 KiB to 256 MiB, i.e. the whole
-#: ``max_retained_bytes`` range (4096..=268435456), so every candidate limit that is a power of
-#: two is a bucket bound. A peak never exceeds its limit, so +Inf holds nothing above 256 MiB.
-RETAINED_BYTES_BUCKETS: tuple[float, ...] = tuple(float(4 * KiB * 2**i) for i in range(17))
-#: ``loopwarden_retained_utilization_ratio`` (peak / limit, in 0..=1; a peak equal to the
-#: limit is admitted and lands in the 1.0 bucket).
-UTILIZATION_BUCKETS: tuple[float, ...] = (
-    0.01,
-    0.05,
-    0.1,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.6,
-    0.7,
-    0.8,
-    0.9,
-    0.95,
-    0.99,
-    1.0,
-)
-#: ``loopwarden_inference_rounds``: every integer up to 10 (the default ``max_infer_iters``),
-#: then coarser up to the 100 maximum.
-ROUNDS_BUCKETS: tuple[float, ...] = (
-    *(float(i) for i in range(1, 11)),
-    12.0,
-    15.0,
-    20.0,
-    25.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    80.0,
-    100.0,
-)
+#: Bucket bounds per doubling of ``loopwarden_retained_bytes_peak`` and
+#: ``loopwarden_retained_utilization_ratio``: a bound every 2**(1/8) (about 9 %), fine enough to
+#: size a limit from the bucket under it (issue 20).
+STEPS_PER_DOUBLING = 8
+
+
+def _geometric(low: float, doublings: int, *, digits: int | None = None) -> tuple[float, ...]:
+    """`low` x 2**(k / STEPS_PER_DOUBLING) for k in 0..=doublings x STEPS_PER_DOUBLING, each
+    rounded to an integer (`digits` None) or to `digits` decimals; every power of two stays exact."""
+    steps = doublings * STEPS_PER_DOUBLING
+    values = (low * 2 ** (k / STEPS_PER_DOUBLING) for k in range(steps + 1))
+    return tuple(float(round(v)) if digits is None else round(v, digits) for v in values)
+
+
+#: ``loopwarden_retained_bytes_peak`` (bytes): 8 bounds per doubling from 4 KiB to 256 MiB, i.e.
+#: the whole ``max_retained_bytes`` range (4096..=268435456); every power of two (so every
+#: candidate limit a dashboard offers) is a bound. A peak never exceeds its limit, so +Inf holds
+#: nothing above 256 MiB. 129 bounds.
+RETAINED_BYTES_BUCKETS: tuple[float, ...] = _geometric(4 * KiB, 16)
+#: ``loopwarden_retained_utilization_ratio`` (peak / limit, in 0..=1; a peak equal to the limit
+#: is admitted and lands in the 1.0 bucket): 8 bounds per doubling from 1/128 to 1 (rounded to 4
+#: decimals), plus 0.9, 0.95 and 0.99 for the alert thresholds. 60 bounds.
+UTILIZATION_BUCKETS: tuple[float, ...] = tuple(sorted({*_geometric(1 / 128, 7, digits=4), 0.9, 0.95, 0.99}))
+#: ``loopwarden_inference_rounds``: every integer from 1 to 100 (the largest ``max_infer_iters``),
+#: so the share a cap of N would stop is exact for every N. 100 bounds.
+ROUNDS_BUCKETS: tuple[float, ...] = tuple(float(i) for i in range(1, 101))
 #: ``loopwarden_upstream_duration_seconds``, ``loopwarden_upstream_ttfb_seconds`` and
 #: ``loopwarden_tool_call_duration_seconds`` (seconds, up to the 600 s default read timeout).
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -302,6 +291,13 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         "loopwarden_client_disconnects_total",
         "counter",
         "Requests whose client went away before the answer was complete.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_dropped_writes_total",
+        "counter",
+        "Writes to a client connection that was already closing (a reset or closed client): dropped"
+        " without asyncio's per-write warning.",
         {},
     ),
     MetricSpec(
@@ -389,6 +385,20 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {"outcome": WEBSOCKET_TURN_OUTCOMES},
     ),
     MetricSpec(
+        "loopwarden_worker_resident_memory_bytes",
+        "gauge",
+        "Resident set size of the largest live worker process (bytes; /proc/self/statm, updated at"
+        " every request end and scrape).",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_worker_baseline_resident_memory_bytes",
+        "gauge",
+        "Resident set size of the largest live worker process when it started serving, before any"
+        " request (bytes): the gateway's own baseline.",
+        {},
+    ),
+    MetricSpec(
         "loopwarden_memory_pressure_ratio",
         "gauge",
         "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
@@ -422,6 +432,7 @@ STREAM_ERRORS = _counter("loopwarden_stream_errors_total")
 UPSTREAM_ERRORS = _counter("loopwarden_upstream_errors_total")
 CLIENT_DISCONNECTS = _counter("loopwarden_client_disconnects_total")
 TOOL_CALLS = _counter("loopwarden_tool_calls_total")
+DROPPED_WRITES = _counter("loopwarden_dropped_writes_total")
 TOOL_DURATION = _histogram("loopwarden_tool_call_duration_seconds")
 INFERENCE_ROUNDS = _histogram("loopwarden_inference_rounds")
 RETAINED_PEAK = _histogram("loopwarden_retained_bytes_peak")
@@ -433,6 +444,8 @@ UPSTREAM_TTFB = _histogram("loopwarden_upstream_ttfb_seconds")
 ADMISSION_RESERVED = _gauge("loopwarden_admission_reserved_bytes", "livesum")
 ADMISSION_BUDGET = _gauge("loopwarden_admission_budget_bytes", "livesum")
 MEMORY_PRESSURE = _gauge("loopwarden_memory_pressure_ratio", "livemax")
+WORKER_RSS = _gauge("loopwarden_worker_resident_memory_bytes", "livemax")
+WORKER_BASELINE_RSS = _gauge("loopwarden_worker_baseline_resident_memory_bytes", "livemax")
 WEBSOCKET_CONNECTIONS = _gauge("loopwarden_websocket_connections", "livesum")
 WEBSOCKET_TURNS = _counter("loopwarden_websocket_turns_total")
 
@@ -473,6 +486,25 @@ def _preinitialise() -> None:
 _preinitialise()
 
 
+def resident_memory_bytes() -> int:
+    """This process's resident set size in bytes (``/proc/self/statm``, field 2 x page size);
+    0 where ``/proc`` is missing (not Linux)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def publish_resident_memory(*, baseline: bool = False) -> None:
+    """Set ``loopwarden_worker_resident_memory_bytes`` to this worker's RSS now; with `baseline`
+    (once, when the worker starts serving) also ``loopwarden_worker_baseline_resident_memory_bytes``."""
+    rss = resident_memory_bytes()
+    WORKER_RSS.set(rss)
+    if baseline:
+        WORKER_BASELINE_RSS.set(rss)
+
+
 _before_scrape: Callable[[], None] | None = None
 
 
@@ -489,6 +521,7 @@ def exposition() -> bytes:
     ``PROMETHEUS_MULTIPROC_DIR`` is set — every worker's metrics aggregated (counters summed,
     in-flight gauges summed over live workers; a worker other than the one answering the scrape
     contributes the admission gauges as of its last request start or end)."""
+    publish_resident_memory()
     if _before_scrape is not None:
         _before_scrape()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

@@ -3,7 +3,9 @@
 `RequestIdMiddleware` (pure ASGI, outermost) takes the client's ``x-request-id`` when it is 1 to
 128 characters of ``[A-Za-z0-9._:-]`` (anything else is replaced, never echoed), else mints
 ``req_<32 hex>``; stores it in the `REQUEST_ID` context variable for the request's task tree and
-adds it to the response headers. `RequestIdFilter` stamps ``record.request_id`` on log records;
+adds it to the response headers. `RequestIdFilter` stamps ``record.request_id`` on log records
+(outside a request, the reason there is none: `NO_REQUEST`); `DevModelFilter` keeps the
+embedded development model's uvicorn lines (a second server in the process, same loggers) out;
 `log_config` is the ``logging.config.dictConfig`` that puts it on every line (one JSON object per
 line with ``json_lines=True``) and hides URL credentials logged by the MCP SDK's HTTP stack
 (`middleware.ops.redact.RedactUrls`).
@@ -63,11 +65,39 @@ class RequestIdMiddleware:
             REQUEST_ID.reset(token)
 
 
+#: The ``request_id`` of a line logged outside any request, by logger: why it has no id.
+NO_REQUEST: dict[str, str] = {
+    "loopwarden.connections": "connection",  # connection-level, before any request exists
+    "uvicorn.error": "process",  # start-up, shutdown, server errors
+}
+#: The default reason for other loggers.
+NO_REQUEST_DEFAULT = "process"
+#: The thread the embedded development model's uvicorn runs in (`middleware.dev.embedded`).
+DEVMODEL_THREAD = "loopwarden-devmodel"
+
+
 class RequestIdFilter(logging.Filter):
-    """Adds ``request_id`` (``-`` outside a request) to every record it sees."""
+    """Adds ``request_id`` to every record it sees: the request's id, else why there is none
+    (`NO_REQUEST`: ``process`` for start-up / shutdown / background lines, ``connection`` for
+    connection-level ones)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = REQUEST_ID.get()
+        rid = REQUEST_ID.get()
+        record.request_id = rid if rid != "-" else NO_REQUEST.get(record.name, NO_REQUEST_DEFAULT)
+        return True
+
+
+class DevModelFilter(logging.Filter):
+    """Drops the embedded development model's uvicorn lines below WARNING (its lifecycle lines
+    would repeat the gateway's, its access lines look like the gateway's); what it logs at WARNING
+    or above stays, under the logger name ``devmodel.<name>`` so it cannot be mistaken."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.threadName != DEVMODEL_THREAD or not record.name.startswith("uvicorn"):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        record.name = "devmodel." + record.name
         return True
 
 
@@ -103,13 +133,17 @@ def log_config(level: str, *, json_lines: bool) -> dict[str, object]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"request_id": {"()": RequestIdFilter}, "redact_urls": {"()": RedactUrls}},
+        "filters": {
+            "request_id": {"()": RequestIdFilter},
+            "devmodel": {"()": DevModelFilter},
+            "redact_urls": {"()": RedactUrls},
+        },
         "formatters": {"default": formatter},
         "handlers": {
             "stderr": {
                 "class": "logging.StreamHandler",
                 "formatter": "default",
-                "filters": ["request_id"],
+                "filters": ["devmodel", "request_id"],
                 "stream": "ext://sys.stderr",
             }
         },
