@@ -173,7 +173,8 @@ def connection_options(settings: Settings, nofile: int | None = None) -> dict[st
     them (single worker and ``--workers`` > 1 alike): ``http`` (the bounded protocol of
     ``settings.http``, bound to its `ConnectionBounds`; picklable, so spawned workers get it),
     ``timeout_keep_alive`` (seconds), ``backlog`` (sockets; `resolve_backlog`) and
-    ``h11_max_incomplete_event_size`` (bytes), and WebSocket mode's ``ws`` and ``ws_max_size``
+    ``h11_max_incomplete_event_size`` (bytes), ``loop`` (``"asyncio"``: the bounds wrap asyncio's
+    transports, which uvloop's are not), and WebSocket mode's ``ws`` and ``ws_max_size``
     (`middleware.asgi.websocket.uvicorn_websocket_options`: an upgraded connection keeps its slot
     in uvicorn's connection set, so it counts toward ``max_connections``, and its transport keeps
     the bounded close).
@@ -191,6 +192,10 @@ def connection_options(settings: Settings, nofile: int | None = None) -> dict[st
     return {
         **uvicorn_websocket_options(settings),
         "http": protocol_factory(settings.http, bounds),
+        # The bounded close and the dropped writes wrap the transport's methods: asyncio's own
+        # transports allow it, uvloop's (C) do not, and uvicorn's "auto" picks uvloop whenever it is
+        # installed, which would turn those bounds off without a word. Pinned until they do not wrap.
+        "loop": "asyncio",
         "timeout_keep_alive": settings.keepalive_timeout,
         "backlog": resolve_backlog(settings, nofile),
         "h11_max_incomplete_event_size": settings.max_header_bytes,
