@@ -39,6 +39,8 @@ PENDING_METRICS: Mapping[str, str] = {
 #: leaves this mapping.
 UNDECLARED_METRICS: Mapping[str, str] = {
     "loopwarden_memory_pressure_ratio": "issue 10 (memory-pressure shedding): gauge, no labels",
+    "loopwarden_compactions_total": "issue 24 (compaction): counter, labels mode (upstream, gateway), "
+    "outcome (ok, failed, fallback)",
 }
 #: Cap-hit ``limit`` values DESIGN.md §8 adds for the second batch, not built yet. The WebSocket
 #: and translation values belong to those capabilities. (``caller_share``, issue "memory truth",

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from starlette.types import Receive, Scope
 
@@ -82,7 +83,10 @@ class IntakeConfig:
     """What every intake of one gateway shares, built once by `BudgetMiddleware`: the server-wide
     ``limits``, the ``authenticator``, the model ``router``, the admission ``pool``, the ``drain``
     state, ``client_body_timeout`` (seconds to receive a whole body), ``retry_after`` (seconds
-    in a 503) and ``charge_model`` (the server's; models may name their own)."""
+    in a 503) and ``charge_model`` (the server's; models may name their own). ``validate`` checks
+    the parsed body's fields (`validate_request`: a create body); ``create``: the body is a create
+    request, so its ``stream`` and ``store`` fields count (False for ``/v1/responses/compact``,
+    which neither streams nor stores)."""
 
     limits: Limits
     authenticator: Authenticator
@@ -92,6 +96,8 @@ class IntakeConfig:
     client_body_timeout: float
     retry_after: float
     charge_model: ChargeModel = dataclasses.field(default_factory=ChargeModel.measured)
+    validate: Callable[[dict[str, Any]], None] = validate_request
+    create: bool = True
 
     def model_for(self, name: str | None) -> ChargeModel:
         """The charge model of a route naming ``name`` (None: the server's)."""
@@ -172,7 +178,7 @@ class Intake:
             ) from None
         if not isinstance(request, dict):
             raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
-        validate_request(request)
+        self.config.validate(request)
         route = self.config.router.match(request["model"])
         if route is None and self.config.router.configured:
             raise ModelNotFound(
@@ -181,7 +187,7 @@ class Intake:
                 param="model",
             )
         self.model_label = route.name if route is not None else "other"
-        store = request.get("store") is not False
+        store = self.config.create and request.get("store") is not False
         model = self.config.model_for(route.charge_model if route is not None else None)
         if store or model is not permissive:  # re-charge at the route's price, with the store's copies
             ledger.release_all()
@@ -194,7 +200,7 @@ class Intake:
             limits=limits,
             raw=raw,
             request=request,
-            stream=request.get("stream") is True,
+            stream=self.config.create and request.get("stream") is True,
             store=store,
             model_label=self.model_label,
             owner=self.owner,

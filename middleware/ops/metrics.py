@@ -57,6 +57,9 @@ CAP_LIMITS: tuple[str, ...] = (
     "header_timeout",
     "max_connections",
 )
+#: ``loopwarden_compactions_total{mode, outcome}`` (README "Compaction").
+COMPACT_MODES: tuple[str, ...] = ("upstream", "gateway")
+COMPACT_OUTCOMES: tuple[str, ...] = ("ok", "failed", "fallback")
 #: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
 CAP_OUTCOMES: tuple[str, ...] = (
     "400",
@@ -359,6 +362,13 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {},
     ),
     MetricSpec(
+        "loopwarden_compactions_total",
+        "counter",
+        "POST /v1/responses/compact requests, by who compacted (upstream, gateway) and outcome "
+        "(ok, failed; fallback: auto mode found no upstream compact route and the gateway compacted).",
+        {"mode": COMPACT_MODES, "outcome": COMPACT_OUTCOMES},
+    ),
+    MetricSpec(
         "loopwarden_memory_pressure_ratio",
         "gauge",
         "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
@@ -402,6 +412,7 @@ UPSTREAM_DURATION = _histogram("loopwarden_upstream_duration_seconds")
 UPSTREAM_TTFB = _histogram("loopwarden_upstream_ttfb_seconds")
 ADMISSION_RESERVED = _gauge("loopwarden_admission_reserved_bytes", "livesum")
 ADMISSION_BUDGET = _gauge("loopwarden_admission_budget_bytes", "livesum")
+COMPACTIONS = _counter("loopwarden_compactions_total")
 MEMORY_PRESSURE = _gauge("loopwarden_memory_pressure_ratio", "livemax")
 
 _STREAM_ERROR_CODES = frozenset(STREAM_ERROR_CODES)
