@@ -193,6 +193,7 @@ def test_upstream_mode_forwards_and_its_item_goes_back_to_it_natively(upstream: 
     sent = upstream.requests[1].json()["input"]
     assert sent[1] == {"type": "compaction", "encrypted_content": "UPSTREAM-OPAQUE-BLOB"}
     assert before.delta("loopwarden_compactions_total", mode="upstream", outcome="ok") == 1
+    assert before.delta("loopwarden_inference_rounds_count") == 2  # the compaction, then the create
 
 
 def test_auto_falls_back_to_the_gateway_on_404_once_per_process(upstream: MockUpstream) -> None:
@@ -210,6 +211,7 @@ def test_auto_falls_back_to_the_gateway_on_404_once_per_process(upstream: MockUp
     assert [i.type for i in second.output] == ["message", "compaction"]
     assert before.delta("loopwarden_compactions_total", mode="upstream", outcome="fallback") == 1
     assert before.delta("loopwarden_compactions_total", mode="gateway", outcome="ok") == 2
+    assert before.delta("loopwarden_inference_rounds_count") == 2  # the 404 probe is no inference call
 
 
 def test_auto_uses_an_upstream_that_has_the_route_and_405_falls_back(upstream: MockUpstream) -> None:

@@ -23,8 +23,9 @@ app. Then `Compaction.run`:
 
 Every failure is raised for the guard (`middleware.outcomes`): a summary that is cut by the cap,
 failed or empty is 502 ``upstream_error`` (`CompactionFailed`). Counted in
-``loopwarden_compactions_total{mode,outcome}`` and, for the gateway's call,
-``loopwarden_inference_rounds`` (one inference call, within any ``max_infer_iters``).
+``loopwarden_compactions_total{mode,outcome}`` and ``loopwarden_inference_rounds``: a compaction
+is one inference call (the gateway's summarising call, or the upstream's compaction; a 404/405
+probe is none), which every ``max_infer_iters`` (1..=100) allows.
 """
 
 from __future__ import annotations
@@ -263,6 +264,7 @@ class Compaction:
             await response.aclose()
         if self.mode == "auto":
             self.state.compact_support[self.url] = True
+        metrics.INFERENCE_ROUNDS.observe(1)  # the upstream's compaction is its one inference call
         output = []
         for index, item in enumerate(answer.items):
             if is_compaction(item):

@@ -60,6 +60,14 @@ CAP_LIMITS: tuple[str, ...] = (
 #: ``loopwarden_compactions_total{mode, outcome}`` (README "Compaction").
 COMPACT_MODES: tuple[str, ...] = ("upstream", "gateway")
 COMPACT_OUTCOMES: tuple[str, ...] = ("ok", "failed", "fallback")
+#: The (mode, outcome) pairs that occur, pre-initialised (``fallback`` is the upstream's only).
+COMPACT_PAIRS: tuple[tuple[str, str], ...] = (
+    ("upstream", "ok"),
+    ("upstream", "failed"),
+    ("upstream", "fallback"),
+    ("gateway", "ok"),
+    ("gateway", "failed"),
+)
 #: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
 CAP_OUTCOMES: tuple[str, ...] = (
     "400",
@@ -432,6 +440,8 @@ def _preinitialise() -> None:
         TOOL_CALLS.labels(outcome=outcome)
     for code in STREAM_ERROR_CODES:
         STREAM_ERRORS.labels(code=code)
+    for mode, outcome in COMPACT_PAIRS:
+        COMPACTIONS.labels(mode=mode, outcome=outcome)
 
 
 _preinitialise()
