@@ -197,6 +197,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--config", help="YAML or TOML file with settings (flags override it)")
 
 
+def shared_compact_secret(settings: Settings) -> Settings:
+    """`settings` for ``--workers`` > 1: without a configured compaction key, one random key
+    (64 hex digits) that every worker of this host gets, so that a compaction item one worker
+    signed verifies on the others (README "Compaction"). Raises SettingsError like
+    `Settings.compact_key`."""
+    if settings.compact_key() is not None:
+        return settings
+    return dataclasses.replace(settings, compact_secret=secrets.token_hex(32))
+
+
 def _multiprocess_metrics_dir() -> None:
     """Give the workers one fresh ``PROMETHEUS_MULTIPROC_DIR`` (the operator's, wiped, or a new one)."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -297,9 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         uvicorn.run(create_app(settings), **common)
     else:
-        if settings.compact_key() is None:  # one random key for every worker of this host
-            settings = dataclasses.replace(settings, compact_secret=secrets.token_hex(32))
-        os.environ.update(settings.to_env())
+        os.environ.update(shared_compact_secret(settings).to_env())
         _multiprocess_metrics_dir()
         uvicorn.run("middleware.app:create_app_from_env", factory=True, workers=settings.workers, **common)
     return 0

@@ -4,14 +4,23 @@ route, answers validated against the Open Responses schemas (`tests.compact_sche
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from middleware.cli import shared_compact_secret
 from middleware.config import Settings, SettingsError
 from middleware.errors import InvalidRequest
 from middleware.loop.compact import COMPACT_PROMPT
@@ -26,6 +35,7 @@ from tests.compact_schema import assert_valid
 from tests.helpers import FC, MetricDelta, gateway, message_item, response_obj, sdk
 from tests.mock_upstream import MockUpstream, Reply
 
+ROOT = Path(__file__).resolve().parents[1]
 USAGE = {"input_tokens": 40, "output_tokens": 7, "total_tokens": 47}
 SUMMARY = "The user is planning a trip to Lisbon in May; flights are booked, hotel still open."
 
@@ -435,3 +445,55 @@ def test_settings_validate_the_compaction_fields(tmp_path: Any) -> None:
     with pytest.raises(SettingsError, match="cannot read compact_secret_file"):
         Settings(compact_secret_file=str(tmp_path / "missing")).compact_key()
     assert "s3cret" not in repr(Settings(compact_secret="s3cret-0123456789abcdef"))
+
+
+def test_workers_share_one_random_key_unless_one_is_configured(tmp_path: Any) -> None:
+    generated = shared_compact_secret(Settings(workers=2))
+    key = generated.compact_key()
+    assert key is not None and len(key) == 64
+    assert shared_compact_secret(Settings(workers=2)).compact_key() != key  # random per start
+    configured = Settings(workers=2, compact_secret="an-operator-secret-0123456789")
+    assert shared_compact_secret(configured) is configured
+
+
+def test_an_item_signed_by_one_worker_verifies_on_the_other() -> None:
+    """``loopwarden serve --workers 2`` without a configured key (the embedded dev model): a window
+    compacted by one worker is accepted by both (new connections spread over the workers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPWARDEN_")}
+    env["PYTHONPATH"] = str(ROOT)
+    env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="lw-compact-metrics-")
+    command = [sys.executable, "-m", "middleware.cli", "serve", "--port", str(port), "--workers", "2"]
+    proc = subprocess.Popen(
+        [*command, "--log-level", "warning", "--store", "memory"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "two workers did not start"
+            time.sleep(0.2)
+        window = httpx.post(
+            base + "/v1/responses/compact", json={"model": "dev", "input": "plan my trip"}, timeout=20
+        ).json()["output"]
+        statuses = [
+            httpx.post(
+                base + "/v1/responses",
+                json={"model": "dev", "input": [*window, user("go on")], "store": False},
+                timeout=20,
+            ).status_code
+            for _ in range(12)  # a new connection each time, so both workers get some
+        ]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    assert statuses == [200] * 12

@@ -186,10 +186,11 @@ class AgentLoop:
         """The history and new input with their compaction items lowered for this upstream
         (`middleware.loop.compaction`; a 400 names an item that does not verify)."""
         index = {id(item): i for i, item in enumerate(self.input_items)}
+        stored = "conversation" if self.request.get("conversation") is not None else "previous_response_id"
         history, new_input = lower_compaction_window(
             [self.history, self.new_input],
             lowering_for(self.state, self.ctx.route),
-            lambda part, i, item: "previous_response_id" if part == 0 else f"input[{index.get(id(item), i)}]",
+            lambda part, i, item: stored if part == 0 else f"input[{index.get(id(item), i)}]",
         )
         return history, new_input
 
