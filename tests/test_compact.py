@@ -34,6 +34,7 @@ from middleware.loop.compaction import (
 from tests.compact_schema import assert_valid
 from tests.helpers import FC, MetricDelta, gateway, message_item, response_obj, sdk
 from tests.mock_upstream import MockUpstream, Reply
+from tests.test_loop_e2e import text_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 USAGE = {"input_tokens": 40, "output_tokens": 7, "total_tokens": 47}
@@ -497,3 +498,17 @@ def test_an_item_signed_by_one_worker_verifies_on_the_other() -> None:
         proc.terminate()
         proc.wait(20)
     assert statuses == [200] * 12
+
+
+def test_a_streamed_continuation_lowers_the_window_too(upstream: MockUpstream) -> None:
+    upstream.push(summary_reply(), Reply.sse(text_stream("streamed on")))
+    with gateway(upstream, upstream_compact="gateway") as (url, _), sdk(url) as client:
+        window = as_input(client.responses.compact(model="m", input=CONVERSATION).output)
+        with client.responses.stream(model="m", input=[*window, user("go on")], store=False) as stream:
+            events = [event.type for event in stream]
+            final = stream.get_final_response()
+    assert final.output_text == "streamed on" and events[-1] == "response.completed"
+    sent = upstream.requests[1].json()
+    assert sent["stream"] is True
+    assert sent["input"][2]["content"][0]["text"] == SUMMARY_PREFIX + SUMMARY
+    assert [i.get("type") for i in sent["input"]] == ["message"] * 4
