@@ -249,7 +249,7 @@ def test_upstream_mode_passes_an_upstream_error_through_the_outcome_table(upstre
 
 def test_per_model_settings_override_the_server_wide_ones(upstream: MockUpstream) -> None:
     upstream.push(summary_reply())
-    models = {"m": {"upstream_compact": "gateway", "compact_max_output_tokens": 77}, "other": {}}
+    models = {"m": {"upstream_compact": "gateway", "compact_max_output_tokens": 77}, "n": {}}
     with gateway(upstream, upstream_compact="upstream", models=models) as (url, _), sdk(url) as client:
         client.responses.compact(model="m", input=CONVERSATION)
     assert paths(upstream) == ["/v1/responses"]
@@ -512,3 +512,12 @@ def test_a_streamed_continuation_lowers_the_window_too(upstream: MockUpstream) -
     assert sent["stream"] is True
     assert sent["input"][2]["content"][0]["text"] == SUMMARY_PREFIX + SUMMARY
     assert [i.get("type") for i in sent["input"]] == ["message"] * 4
+
+
+def test_a_compact_body_over_the_raw_clamp_is_413_unread(upstream: MockUpstream) -> None:
+    before = MetricDelta()
+    with gateway(upstream) as (url, _):  # max_retained_bytes 1 MiB: the raw clamp is far below 2 MB
+        answer = httpx.post(url + "/v1/responses/compact", json={"model": "m", "input": "x" * 2_000_000})
+    assert answer.status_code == 413 and answer.json()["error"]["code"] == "request_too_large"
+    assert before.delta("loopwarden_cap_hits_total", limit="request_body", outcome="413") == 1
+    assert not upstream.requests
