@@ -467,6 +467,15 @@ def _operations() -> JSON:
             unit="s",
             width=8,
         ),
+        Row("Compaction", "POST /v1/responses/compact: who compacted, and how it ended."),
+        Panel(
+            "Compactions by mode and outcome",
+            "Compactions per second by mode (upstream: the upstream's own /responses/compact; gateway: one"
+            " summarising inference call) and outcome (ok, failed; fallback: auto mode found no upstream"
+            " compact route, once per upstream and process).",
+            ["compactions_by_mode_outcome"],
+            unit="ops",
+        ),
         Row("Upstream", "The model server behind the gateway."),
         Panel(
             "Upstream errors by kind",

@@ -316,6 +316,12 @@ _QUERY_LIST: list[Query] = [
         )
         for q in QUANTILES
     ),
+    # compaction
+    Query(
+        "compactions_by_mode_outcome",
+        f"sum by (mode, outcome) ({_rate('loopwarden_compactions_total')})",
+        "{{mode}} → {{outcome}}",
+    ),
     # upstream
     Query(
         "upstream_errors_by_kind",

@@ -2,7 +2,8 @@
 
 `create_app(settings)` returns a Starlette app serving ``POST /v1/responses`` (buffered and
 ``"stream": true``; `ResponsesApp` wrapped in `BudgetMiddleware`), its WebSocket mode (``GET
-/v1/responses`` with an upgrade: `middleware.asgi.websocket`, each turn through the same guard), the store routes
+/v1/responses`` with an upgrade: `middleware.asgi.websocket`, each turn through the same guard),
+``POST /v1/responses/compact`` (`middleware.loop.compact.CompactApp`, behind the same guard), the store routes
 (`middleware.store.routes`: ``/v1/responses/{id}``, ``/input_items``, ``/cancel``,
 ``/v1/conversations…``),
 ``GET /v1/models``, ``GET /healthz``, ``GET /readyz`` and ``GET /metrics``; every failure of a
@@ -34,11 +35,14 @@ from middleware import outcomes
 from middleware.asgi.auth import Authenticator
 from middleware.asgi.guard import BudgetMiddleware
 from middleware.asgi.models import ModelRouter
+from middleware.asgi.validate import validate_compact_request
 from middleware.asgi.websocket import WebSocketConfig, WebSocketResponses
 from middleware.config import Settings
 from middleware.dev.embedded import BackgroundServer
 from middleware.errors import Failure, MethodNotAllowed, UnknownRoute
 from middleware.loop.app import ResponsesApp
+from middleware.loop.compact import CompactApp
+from middleware.loop.compaction import CompactionSeal
 from middleware.ops import metrics
 from middleware.ops.admission import (
     DRAIN,
@@ -85,14 +89,6 @@ async def route_error_response(request: Request, exc: Exception) -> Response:
             MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow)
         )
     return failure_response(UnknownRoute(f"no route {request.url.path}"))
-
-
-async def not_served(request: Request) -> Response:
-    """A path of the Responses API this gateway does not serve yet (``/v1/responses/compact``):
-    404 ``unknown_url`` for every method, not the 405 the ``/v1/responses/{id}`` route would give."""
-    return failure_response(
-        UnknownRoute(f"no route {request.url.path}: this gateway does not offer it yet (see the README)")
-    )
 
 
 async def passthrough_models(upstream: UpstreamClient) -> Response:
@@ -173,9 +169,12 @@ def create_app(
     `pressure_source()` reports used/allowed memory for the admission safety net.
     """
     state = GatewayState(settings=settings)
+    compact_key = settings.compact_key()
+    state.seal = CompactionSeal(compact_key)
     keys = settings.api_keys()
     authenticator = Authenticator(keys)
-    for secret in (settings.upstream_api_key, *keys, *(r.upstream_api_key for r in settings.model_routes)):
+    secrets = (settings.upstream_api_key, *keys, *(r.upstream_api_key for r in settings.model_routes))
+    for secret in (*secrets, compact_key.decode() if compact_key else None):
         register_secret(secret)
     router = ModelRouter(settings.model_routes)
 
@@ -219,7 +218,9 @@ def create_app(
                 base_url,
             )
         state.upstream = upstream_factory(settings, base_url)
+        state.upstream_urls[""] = base_url
         for route in settings.model_routes:
+            state.upstream_urls[route.name] = route.upstream or base_url
             overrides = {
                 field: getattr(route, field)
                 for field in (
@@ -267,19 +268,26 @@ def create_app(
             pool.budget,
             settings.max_retained_bytes,
         )
-    responses = BudgetMiddleware(
-        ResponsesApp(state),
-        limits=settings.limits,
-        client_body_timeout=settings.client_body_timeout,
-        authenticator=authenticator,
-        router=router,
-        pool=pool,
-        request_deadline=settings.request_deadline,
-        retry_after=settings.retry_after,
-        keepalive_interval=settings.keepalive_interval,
-        client_write_timeout=settings.client_write_timeout,
-        charge_model=ChargeModel.named(settings.charge_model),
-    )
+
+    def guarded(app: Any, **body: Any) -> BudgetMiddleware:
+        """`app` behind the guard: the clamps, ledger, admission and outcome table of create."""
+        return BudgetMiddleware(
+            app,
+            limits=settings.limits,
+            client_body_timeout=settings.client_body_timeout,
+            authenticator=authenticator,
+            router=router,
+            pool=pool,
+            request_deadline=settings.request_deadline,
+            retry_after=settings.retry_after,
+            keepalive_interval=settings.keepalive_interval,
+            client_write_timeout=settings.client_write_timeout,
+            charge_model=ChargeModel.named(settings.charge_model),
+            **body,
+        )
+
+    responses = guarded(ResponsesApp(state))
+    compact = guarded(CompactApp(state), validate=validate_compact_request, create=False)  # issue 24
 
     websocket = WebSocketResponses(
         responses,
@@ -314,7 +322,7 @@ def create_app(
     routes: list[Any] = [
         Route("/v1/responses", responses, methods=["POST"]),
         WebSocketRoute("/v1/responses", websocket),  # WebSocket mode (middleware.asgi.websocket)
-        Route("/v1/responses/compact", not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+        Route("/v1/responses/compact", compact, methods=["POST"]),
         *store_routes(
             get_store,
             owner_of,

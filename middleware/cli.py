@@ -11,7 +11,9 @@ value exits with status 2 and a message naming the field, the range and the valu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -188,8 +190,33 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="append",
         help="a gateway API key clients must present; repeatable (prefer --api-key-file or $LOOPWARDEN_API_KEY)",
     )
+    p.add_argument(
+        "--upstream-compact",
+        help="who answers POST /v1/responses/compact: auto (default: the upstream's own "
+        "/responses/compact, else the gateway on 404/405), upstream or gateway",
+    )
+    p.add_argument(
+        "--compact-max-output-tokens",
+        type=int,
+        help="the gateway's compaction summary cap, 1..=131072 (default 4096)",
+    )
+    p.add_argument(
+        "--compact-secret-file",
+        help="file whose first line is the key that signs compaction items (shared by every host; "
+        "default: a random key per process, shared by --workers; or $LOOPWARDEN_COMPACT_SECRET)",
+    )
     p.add_argument("--api-key-file", help="file with gateway API keys, one per line")
     p.add_argument("--config", help="YAML or TOML file with settings (flags override it)")
+
+
+def shared_compact_secret(settings: Settings) -> Settings:
+    """`settings` for ``--workers`` > 1: without a configured compaction key, one random key
+    (64 hex digits) that every worker of this host gets, so that a compaction item one worker
+    signed verifies on the others (README "Compaction"). Raises SettingsError like
+    `Settings.compact_key`."""
+    if settings.compact_key() is not None:
+        return settings
+    return dataclasses.replace(settings, compact_secret=secrets.token_hex(32))
 
 
 def _multiprocess_metrics_dir() -> None:
@@ -304,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         keys = settings.api_keys()
+        settings.compact_key()  # a compact_secret_file that cannot be read fails here, at start-up
         common = uvicorn_options(settings)
     except SettingsError as exc:
         print(f"loopwarden: {exc}", file=sys.stderr)
@@ -335,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         uvicorn.run(create_app(settings), **common)
     else:
-        os.environ.update(settings.to_env())
+        os.environ.update(shared_compact_secret(settings).to_env())
         _multiprocess_metrics_dir()
         uvicorn.run("middleware.app:create_app_from_env", factory=True, workers=settings.workers, **common)
     return 0

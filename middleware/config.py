@@ -22,6 +22,8 @@ from budget import Limits
 from middleware.asgi.models import ModelConfigError, ModelRoute, parse_models
 
 ENV_PREFIX = "LOOPWARDEN_"
+#: ``upstream_compact`` values: who answers ``POST /v1/responses/compact`` (README "Compaction").
+COMPACT_MODES = ("auto", "upstream", "gateway")
 
 
 class SettingsError(ValueError):
@@ -88,6 +90,10 @@ class Settings:
     websocket_idle_timeout: float = 300.0
     models: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     store: str = "sqlite:///./.loopwarden/loopwarden.db"
+    upstream_compact: str = "auto"
+    compact_max_output_tokens: int = 4096
+    compact_secret: str | None = dataclasses.field(default=None, repr=False)
+    compact_secret_file: str | None = None
     api_key: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     api_key_file: str | None = None
     config: str | None = None
@@ -191,6 +197,19 @@ class Settings:
             raise SettingsError(f"max_header_bytes must be in 1024..=1048576, got {self.max_header_bytes}")
         if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
             raise SettingsError(f"upstream must be an http:// or https:// URL, got {self.upstream!r}")
+        if self.upstream_compact not in COMPACT_MODES:
+            raise SettingsError(
+                f"upstream_compact must be auto, upstream or gateway, got {self.upstream_compact!r}"
+            )
+        if not 1 <= self.compact_max_output_tokens <= 131_072:
+            raise SettingsError(
+                f"compact_max_output_tokens must be in 1..=131072, got {self.compact_max_output_tokens}"
+            )
+        if self.compact_secret is not None and len(self.compact_secret.encode()) < 16:
+            raise SettingsError(
+                "compact_secret must be at least 16 bytes (use e.g. `openssl rand -hex 32`), "
+                f"got {len(self.compact_secret.encode())}"
+            )
         if self.charge_model not in ("measured", "reference"):
             raise SettingsError(f"charge_model must be measured or reference, got {self.charge_model!r}")
         if self.upstream_client not in ("aiohttp", "httpx"):
@@ -219,6 +238,27 @@ class Settings:
                 if line.strip() and not line.strip().startswith("#")
             ]
         return keys
+
+    def compact_key(self) -> bytes | None:
+        """The key that seals compaction items: ``compact_secret``, else the first line of
+        ``compact_secret_file``, else None (a random key per process). Raises SettingsError when
+        the file cannot be read or holds fewer than 16 bytes."""
+        if self.compact_secret is not None:
+            return self.compact_secret.encode()
+        if not self.compact_secret_file:
+            return None
+        try:
+            text = Path(self.compact_secret_file).read_text()
+        except OSError as exc:
+            raise SettingsError(
+                f"cannot read compact_secret_file {self.compact_secret_file}: {exc.strerror}"
+            ) from None
+        key = (text.strip().splitlines() or [""])[0].strip().encode()
+        if len(key) < 16:
+            raise SettingsError(
+                f"compact_secret_file {self.compact_secret_file} must hold a secret of at least 16 bytes"
+            )
+        return key
 
     @property
     def model_routes(self) -> tuple[ModelRoute, ...]:

@@ -9,6 +9,7 @@ from middleware.config import Settings
 from middleware.upstream.protocol import UpstreamClient
 
 if TYPE_CHECKING:
+    from middleware.loop.compaction import CompactionSeal
     from middleware.ops.admission import ProcessPool
     from middleware.store.store import Store
     from middleware.tools import ToolCatalog
@@ -28,6 +29,10 @@ class GatewayState:
     store: Store | None = None
     pool: ProcessPool | None = None
     upstreams: dict[str, UpstreamClient] = dataclasses.field(default_factory=dict)  # per model route
+    seal: CompactionSeal | None = None  # signs compaction items (set by create_app)
+    #: upstream base URL -> whether it has its own /responses/compact (``auto`` mode learns it once)
+    compact_support: dict[str, bool] = dataclasses.field(default_factory=dict)
+    upstream_urls: dict[str, str] = dataclasses.field(default_factory=dict)  # route name -> base URL
 
     def upstream_for(self, route: object) -> UpstreamClient:
         """The upstream client of a request's model route (its own, else the default)."""
@@ -36,3 +41,9 @@ class GatewayState:
         client = client or self.upstream
         assert client is not None, "the lifespan creates the upstream client"
         return client
+
+    def upstream_url(self, route: object) -> str:
+        """The base URL of a request's upstream (its route's, else the default): what identifies
+        the upstream that made a compaction item."""
+        name = getattr(route, "name", None)
+        return self.upstream_urls.get(name or "", "") or self.upstream_urls.get("", "")

@@ -40,6 +40,8 @@ UNDECLARED_METRICS: Mapping[str, str] = {
     "loopwarden_worker_resident_memory_bytes": "issue 20 (capacity): gauge, no labels (largest live worker)",
     "loopwarden_worker_baseline_resident_memory_bytes": "issue 20 (capacity): gauge, no labels",
     "loopwarden_dropped_writes_total": "issue 20 (log hygiene): counter, no labels",
+    "loopwarden_compactions_total": "issue 24 (compaction): counter, labels mode (upstream, gateway), "
+    "outcome (ok, failed, fallback)",
 }
 #: Cap-hit ``limit`` values DESIGN.md §8 adds for the second batch, not built yet. The WebSocket
 #: and translation values belong to those capabilities. (``caller_share``, issue "memory truth",

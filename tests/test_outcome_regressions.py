@@ -401,7 +401,6 @@ def test_a_conversation_deleted_mid_request_answers_as_the_client_saw_it(upstrea
 # -- routing: 404 envelope, Allow on every 405 ------------------------------------------------------
 def test_unknown_paths_are_404_and_every_405_carries_allow(upstream: MockUpstream) -> None:
     with gateway(upstream) as (url, _):
-        compact = httpx.post(url + "/v1/responses/compact", json={"model": "m", "input": "x"})
         unknown = httpx.get(url + "/v2/nothing")
         wrong = [
             httpx.request(method, url + path)
@@ -416,7 +415,7 @@ def test_unknown_paths_are_404_and_every_405_carries_allow(upstream: MockUpstrea
                 ("POST", "/v1/models"),
             ]
         ]
-    for r in (compact, unknown):
+    for r in (unknown,):
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url", r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
     for r in wrong:

@@ -37,7 +37,8 @@ schema.config.generation.update(
 
 class MirroringReplies:
     """Stands in for `MockUpstream.replies`: answers each upstream request well, in the form it
-    asked for (SSE for ``"stream": true``, JSON otherwise; a model list for ``GET /models``)."""
+    asked for (SSE for ``"stream": true``, JSON otherwise; a model list for ``GET /models``; a
+    compacted window for ``/responses/compact``)."""
 
     def __init__(self, mock: MockUpstream) -> None:
         self.mock = mock
@@ -50,6 +51,9 @@ class MirroringReplies:
         if request.method == "GET":
             return Reply.json({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "x"}]})
         body: Any = json.loads(request.body) if request.body else {}
+        if request.path.endswith("/responses/compact"):  # an upstream with its own compact route
+            compaction = {"type": "compaction", "id": "cmp_1", "encrypted_content": "opaque"}
+            return Reply.json({"id": "r", "object": "response.compaction", "output": [compaction]})
         if isinstance(body, dict) and body.get("stream") is True:
             return Reply.sse([*PRE(), DONE(2, [message_item("ok")])])
         return Reply.json(response_obj([message_item("ok")]))

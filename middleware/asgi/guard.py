@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,6 +36,7 @@ from middleware.asgi.auth import Authenticator
 from middleware.asgi.client_stream import ClientStream
 from middleware.asgi.intake import LIMIT_HEADERS, ClientGone, Intake, IntakeConfig
 from middleware.asgi.models import ModelRouter
+from middleware.asgi.validate import validate_request
 from middleware.errors import DeadlineExceeded, ShuttingDown
 from middleware.loop.context import RequestContext
 from middleware.ops import metrics
@@ -61,7 +63,8 @@ class BudgetMiddleware:
     pool. ``request_deadline``: seconds for the whole request. ``retry_after``: seconds in a 503.
     ``keepalive_interval``: seconds of client silence before a ``: keep-alive`` comment.
     ``client_write_timeout``: seconds one write to the client may wait (make no progress) before
-    the request ends as a client disconnect.
+    the request ends as a client disconnect. ``validate`` and ``create``: what the body is
+    (`IntakeConfig`; the defaults: a create request).
     """
 
     def __init__(
@@ -79,6 +82,8 @@ class BudgetMiddleware:
         client_write_timeout: float = 30.0,
         drain: DrainState = DRAIN,
         charge_model: ChargeModel | None = None,
+        validate: Callable[[dict[str, Any]], None] = validate_request,
+        create: bool = True,
     ) -> None:
         self.app = app
         self.authenticator = authenticator or Authenticator(())
@@ -100,6 +105,8 @@ class BudgetMiddleware:
             client_body_timeout=client_body_timeout,
             retry_after=retry_after,
             charge_model=charge_model or ChargeModel.measured(),
+            validate=validate,
+            create=create,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

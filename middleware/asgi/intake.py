@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from starlette.types import Receive, Scope
 
@@ -84,7 +85,10 @@ class IntakeConfig:
     """What every intake of one gateway shares, built once by `BudgetMiddleware`: the server-wide
     ``limits``, the ``authenticator``, the model ``router``, the admission ``pool``, the ``drain``
     state, ``client_body_timeout`` (seconds to receive a whole body), ``retry_after`` (seconds
-    in a 503) and ``charge_model`` (the server's; models may name their own)."""
+    in a 503) and ``charge_model`` (the server's; models may name their own). ``validate`` checks
+    the parsed body's fields (`validate_request`: a create body); ``create``: the body is a create
+    request, so its ``stream`` and ``store`` fields count (False for ``/v1/responses/compact``,
+    which neither streams nor stores)."""
 
     limits: Limits
     authenticator: Authenticator
@@ -94,6 +98,8 @@ class IntakeConfig:
     client_body_timeout: float
     retry_after: float
     charge_model: ChargeModel = dataclasses.field(default_factory=ChargeModel.measured)
+    validate: Callable[[dict[str, Any]], None] = validate_request
+    create: bool = True
 
     def model_for(self, name: str | None) -> ChargeModel:
         """The charge model of a route naming ``name`` (None: the server's)."""
@@ -177,7 +183,7 @@ class Intake:
         turn = turn_of(self.scope)
         if turn is not None:  # a WebSocket response.create message (middleware.asgi.wsturn)
             request = turn.prepare(request)
-        validate_request(request)
+        self.config.validate(request)
         route = self.config.router.match(request["model"])
         if route is None and self.config.router.configured:
             raise ModelNotFound(
@@ -186,7 +192,7 @@ class Intake:
                 param="model",
             )
         self.model_label = route.name if route is not None else "other"
-        store = request.get("store") is not False
+        store = self.config.create and request.get("store") is not False
         model = self.config.model_for(route.charge_model if route is not None else None)
         if store or model is not permissive:  # re-charge at the route's price, with the store's copies
             ledger.release_all()
@@ -199,7 +205,7 @@ class Intake:
             limits=limits,
             raw=raw,
             request=request,
-            stream=request.get("stream") is True,
+            stream=self.config.create and request.get("stream") is True,
             store=store,
             model_label=self.model_label,
             owner=self.owner,

@@ -33,6 +33,8 @@ ROUTE_FIELDS = frozenset(
         "max_retained_bytes",
         "max_infer_iters",
         "charge_model",
+        "upstream_compact",
+        "compact_max_output_tokens",
     }
 )
 
@@ -55,6 +57,8 @@ class ModelRoute:
     max_retained_bytes: int | None = None
     max_infer_iters: int | None = None
     charge_model: str | None = None
+    upstream_compact: str | None = None
+    compact_max_output_tokens: int | None = None
 
     @property
     def is_pattern(self) -> bool:
@@ -100,6 +104,15 @@ def parse_models(raw: Mapping[str, Any]) -> tuple[ModelRoute, ...]:
         if route.charge_model not in (None, "measured", "reference"):
             raise ModelConfigError(
                 f"models.{name}.charge_model must be measured or reference, got {route.charge_model!r}"
+            )
+        if route.upstream_compact not in (None, "auto", "upstream", "gateway"):
+            raise ModelConfigError(
+                f"models.{name}.upstream_compact must be auto, upstream or gateway, got {route.upstream_compact!r}"
+            )
+        tokens = route.compact_max_output_tokens
+        if tokens is not None and not (isinstance(tokens, int) and 1 <= tokens <= 131_072):
+            raise ModelConfigError(
+                f"models.{name}.compact_max_output_tokens must be in 1..=131072, got {tokens!r}"
             )
         for field in ("upstream_connect_timeout", "upstream_read_timeout", "upstream_deadline"):
             value = getattr(route, field)

@@ -91,3 +91,33 @@ def validate_request(request: dict[str, Any]) -> None:
     for name in NUMERIC_FIELDS:
         if name in request:
             _check_number(name, request[name])
+
+
+#: Fields of a create body that ``POST /v1/responses/compact`` does not take (the OpenAI body:
+#: model, input, instructions, previous_response_id, prompt_cache_*, service_tier).
+COMPACT_REFUSED = ("stream", "store", "background", "conversation", "tools", "tool_choice")
+
+
+def validate_compact_request(request: dict[str, Any]) -> None:
+    """Check the fields of a ``POST /v1/responses/compact`` body (the Open Responses
+    ``CompactResponseMethodPublicBody``): ``model``, ``input`` as for create, ``instructions`` and
+    ``previous_response_id`` strings or null, one of ``input`` / ``previous_response_id`` given,
+    and none of `COMPACT_REFUSED` (400 ``unsupported_parameter``). Raises `InvalidRequest`."""
+    for name in COMPACT_REFUSED:
+        if request.get(name) not in (None, False):
+            raise InvalidRequest(
+                f"{name} is not a parameter of /v1/responses/compact (it takes model, input, instructions, "
+                "previous_response_id, prompt_cache_key, service_tier); leave it out",
+                code="unsupported_parameter",
+                param=name,
+            )
+    validate_request({k: v for k, v in request.items() if k in ("model", "input")})
+    for name in ("instructions", "previous_response_id", "prompt_cache_key"):
+        if request.get(name) is not None and not isinstance(request[name], str):
+            raise InvalidRequest(f"{name} must be a string or null", code="invalid_type", param=name)
+    if request.get("input") in (None, "", []) and request.get("previous_response_id") is None:
+        raise InvalidRequest(
+            "compaction requires input or previous_response_id: send the conversation to compact",
+            code="missing_required_parameter",
+            param="input",
+        )

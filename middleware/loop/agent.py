@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 from middleware.errors import InvalidRequest, LoopLimitReached
 from middleware.ids import new_id
 from middleware.loop.approvals import approval_id, check_approvals, check_call_pairs, pending_approvals
+from middleware.loop.compact import lowering_for
+from middleware.loop.compaction import lower_compaction_window
 from middleware.loop.context import RequestContext
 from middleware.loop.decision import (
     Continue,
@@ -157,6 +159,7 @@ class AgentLoop:
                 code="invalid_request",
                 param="previous_response_id",
             )
+        self.history, self.new_input = self._lower_compaction()
         approvals = pending_approvals(self.history, self.input_items)
         check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
         approved = check_approvals(approvals, self.resolved, self.max_tool_calls)
@@ -184,6 +187,18 @@ class AgentLoop:
             self.replay.append(
                 {"type": "function_call_output", "call_id": call.get("call_id"), "output": text}
             )
+
+    def _lower_compaction(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The history and new input with their compaction items lowered for this upstream
+        (`middleware.loop.compaction`; a 400 names an item that does not verify)."""
+        index = {id(item): i for i, item in enumerate(self.input_items)}
+        stored = "conversation" if self.request.get("conversation") is not None else "previous_response_id"
+        history, new_input = lower_compaction_window(
+            [self.history, self.new_input],
+            lowering_for(self.state, self.ctx.route),
+            lambda part, i, item: stored if part == 0 else f"input[{index.get(id(item), i)}]",
+        )
+        return history, new_input
 
     async def _loop(self) -> None:
         while True:

@@ -1,9 +1,10 @@
 """`ResponsesApp`: ``POST /v1/responses`` behind the guard — which path serves the request.
 
 Requests with gateway-owned (MCP) tools, and requests that use the store (``store`` on,
-``previous_response_id``, ``conversation``) run in `AgentLoop`; the rest — one stateless round with
-nothing for the gateway to change — take `Passthrough`. Every WebSocket turn runs in `AgentLoop`
-(its response is kept in connection memory for the next turn, `middleware.loop.memory`). Both read the admitted `RequestContext`
+``previous_response_id``, ``conversation``) or hold ``compaction`` items (lowered for the upstream)
+run in `AgentLoop`; the rest — one stateless round with nothing for the gateway to change — take
+`Passthrough`. Every WebSocket turn runs in `AgentLoop` (its response is kept in connection memory
+for the next turn, `middleware.loop.memory`). Both read the admitted `RequestContext`
 from the scope, write only through its `ClientStream`, and raise failures for the guard
 (`middleware.asgi.guard`) to settle: they never answer an error themselves (DESIGN.md §2, §5).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from starlette.types import Receive, Scope, Send
 
 from middleware.loop.agent import AgentLoop
+from middleware.loop.compaction import has_compaction
 from middleware.loop.context import context_of
 from middleware.loop.passthrough import Passthrough
 from middleware.state import GatewayState
@@ -36,7 +38,7 @@ class ResponsesApp:
             or ctx.request.get("previous_response_id") is not None
             or ctx.request.get("conversation") is not None
         )
-        if has_mcp or stateful:
+        if has_mcp or stateful or has_compaction(ctx.request.get("input")):  # compaction: lowered
             assert self.state.catalog is not None, "the lifespan creates the tool catalog"
             resolved = await self.state.catalog.resolve(
                 tools if isinstance(tools, list) else None,

@@ -67,6 +67,17 @@ TRANSPORTS: tuple[str, ...] = ("http", "websocket")
 #: ``loopwarden_websocket_turns_total{outcome}``: how one WebSocket turn ended (its terminal
 #: event, or ``cancelled`` when the client went away or stopped reading).
 WEBSOCKET_TURN_OUTCOMES: tuple[str, ...] = ("completed", "incomplete", "failed", "cancelled")
+#: ``loopwarden_compactions_total{mode, outcome}`` (README "Compaction").
+COMPACT_MODES: tuple[str, ...] = ("upstream", "gateway")
+COMPACT_OUTCOMES: tuple[str, ...] = ("ok", "failed", "fallback")
+#: The (mode, outcome) pairs that occur, pre-initialised (``fallback`` is the upstream's only).
+COMPACT_PAIRS: tuple[tuple[str, str], ...] = (
+    ("upstream", "ok"),
+    ("upstream", "failed"),
+    ("upstream", "fallback"),
+    ("gateway", "ok"),
+    ("gateway", "failed"),
+)
 #: ``loopwarden_cap_hits_total{outcome}``: what the client got (status, SSE error frame, ...).
 CAP_OUTCOMES: tuple[str, ...] = (
     "400",
@@ -399,6 +410,13 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {},
     ),
     MetricSpec(
+        "loopwarden_compactions_total",
+        "counter",
+        "POST /v1/responses/compact requests, by who compacted (upstream, gateway) and outcome "
+        "(ok, failed; fallback: auto mode found no upstream compact route and the gateway compacted).",
+        {"mode": COMPACT_MODES, "outcome": COMPACT_OUTCOMES},
+    ),
+    MetricSpec(
         "loopwarden_memory_pressure_ratio",
         "gauge",
         "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
@@ -443,6 +461,7 @@ UPSTREAM_DURATION = _histogram("loopwarden_upstream_duration_seconds")
 UPSTREAM_TTFB = _histogram("loopwarden_upstream_ttfb_seconds")
 ADMISSION_RESERVED = _gauge("loopwarden_admission_reserved_bytes", "livesum")
 ADMISSION_BUDGET = _gauge("loopwarden_admission_budget_bytes", "livesum")
+COMPACTIONS = _counter("loopwarden_compactions_total")
 MEMORY_PRESSURE = _gauge("loopwarden_memory_pressure_ratio", "livemax")
 WORKER_RSS = _gauge("loopwarden_worker_resident_memory_bytes", "livemax")
 WORKER_BASELINE_RSS = _gauge("loopwarden_worker_baseline_resident_memory_bytes", "livemax")
@@ -481,6 +500,8 @@ def _preinitialise() -> None:
         TOOL_CALLS.labels(outcome=outcome)
     for code in STREAM_ERROR_CODES:
         STREAM_ERRORS.labels(code=code)
+    for mode, outcome in COMPACT_PAIRS:
+        COMPACTIONS.labels(mode=mode, outcome=outcome)
 
 
 _preinitialise()
