@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from middleware.errors import InvalidRequest, LoopLimitReached
 from middleware.ids import new_id
 from middleware.loop.approvals import approval_id, check_approvals, check_call_pairs, pending_approvals
+from middleware.loop.choice import translate_tool_choice
 from middleware.loop.context import RequestContext
 from middleware.loop.decision import (
     Continue,
@@ -38,6 +39,7 @@ from middleware.loop.decision import (
     split_calls,
 )
 from middleware.loop.items import (
+    CLIENT_CHOICE,
     TERMINAL_STATUS,
     approval_request_item,
     as_input_items,
@@ -46,11 +48,12 @@ from middleware.loop.items import (
     sum_usage,
     upstream_body,
 )
+from middleware.loop.lowering import drop_orphans, lower_input
 from middleware.loop.persist import ResponseRecorder
 from middleware.loop.stitcher import StreamStitcher
 from middleware.ops import metrics
 from middleware.state import GatewayState
-from middleware.store.history import restore_history
+from middleware.store.history import resolve_references, restore_history
 from middleware.tools import ResolvedTools, ToolOutcome, refuse_tool_call, run_tool_calls
 from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
@@ -82,7 +85,9 @@ class AgentLoop:
         self.response_id = new_id("resp")
         self.request = ctx.request
         self.input_items = as_input_items(self.request.get("input"))  # as the client sent them
-        self.new_input = [i for i in self.input_items if i.get("type") != "mcp_approval_response"]
+        self.new_input: list[dict[str, Any]] = []  # the input in upstream form (`_prepare`)
+        self.tool_choice: Any = CLIENT_CHOICE  # the first round's, then the later rounds'
+        self.later_tool_choice: Any = "auto"
         self.history: list[dict[str, Any]] = []  # restored from the store, sent before the new input
         self.replay: list[dict[str, Any]] = []  # this request's items, appended to the input upstream
         self.items: list[dict[str, Any]] = list(resolved.list_items)  # what the client sees
@@ -133,10 +138,19 @@ class AgentLoop:
             metrics.INFERENCE_ROUNDS.observe(self.rounds)
 
     async def _prepare(self) -> None:
-        """Restore stored history, check call pairing, and settle answered approvals (B03, B05)."""
+        """Resolve references, restore stored history, lower the input, check call pairing, and
+        settle answered approvals, stored or stateless (B03, B05, B37, B39)."""
         # What tools/list brought in is already charged: `ToolCatalog.resolve` charged each answer
         # while it was read and, once the tools were exposed, what this request keeps of them.
         store = self.state.store
+        if "tool_choice" in self.request:
+            self.tool_choice, self.later_tool_choice = translate_tool_choice(
+                self.request["tool_choice"], self.resolved
+            )
+        # in place: the recorder stores the resolved items, so a later chain never holds a reference
+        self.input_items[:] = await resolve_references(
+            self.input_items, store, self.ctx.owner, self.ctx.ledger
+        )
         if store is not None:
             self.recorder.restored = await restore_history(
                 self.request, store, self.ctx.owner, self.ctx.ledger
@@ -151,7 +165,18 @@ class AgentLoop:
                 code="invalid_request",
                 param="previous_response_id",
             )
-        approvals = pending_approvals(self.history, self.input_items)
+        lowered = lower_input(
+            self.input_items,
+            self.resolved,
+            known_calls=frozenset(
+                str(i.get("call_id")) for i in self.history if i.get("type") == "function_call"
+            ),
+            answered=frozenset(
+                str(i.get("call_id")) for i in self.history if i.get("type") == "function_call_output"
+            ),
+        )
+        self.new_input = lowered.items
+        approvals = pending_approvals([*self.history, *lowered.pending], lowered.answers)
         check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
         approved = check_approvals(approvals, self.resolved, self.max_tool_calls)
         if approved and self.stitcher is not None:
@@ -185,9 +210,11 @@ class AgentLoop:
             body = upstream_body(
                 self.request,
                 self.resolved.upstream_tools,
-                self.history + self.new_input + self.replay,
+                drop_orphans(self.history + self.new_input + self.replay),
                 self.rounds,
                 keep_text=not self.history and not self.replay,
+                tool_choice=self.tool_choice,
+                later_tool_choice=self.later_tool_choice,
             )
             terminal, output = await self._round(body)
             self.usage = sum_usage(self.usage, terminal.get("usage"))
@@ -359,7 +386,12 @@ class AgentLoop:
         response = await self._with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
         try:
             if response.status_code >= 400:
-                raise status_failure(response.status_code, await read_limited(response), response.headers)
+                failure = status_failure(response.status_code, await read_limited(response), response.headers)
+                # the client's tools[j], not the expanded list's tools[i] (B29)
+                failure.message = self.resolved.client_text(failure.message)
+                failure.args = (failure.message,)
+                failure.param = None if failure.param is None else self.resolved.client_text(failure.param)
+                raise failure
             if response.headers.get("content-type", "").lower().startswith("text/event-stream"):
                 return await self._round_stream(response)
             return await self._round_buffered(response)

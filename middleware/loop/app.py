@@ -1,7 +1,8 @@
 """`ResponsesApp`: ``POST /v1/responses`` behind the guard — which path serves the request.
 
-Requests with gateway-owned (MCP) tools, and requests that use the store (``store`` on,
-``previous_response_id``, ``conversation``) run in `AgentLoop`; the rest — one stateless round with
+Requests with gateway-owned (MCP) tools, requests that use the store (``store`` on,
+``previous_response_id``, ``conversation``) and requests whose input holds items only the
+gateway understands (`middleware.loop.lowering.GATEWAY_INPUT_TYPES`) run in `AgentLoop`; the rest — one stateless round with
 nothing for the gateway to change — take `Passthrough`. Both read the admitted `RequestContext`
 from the scope, write only through its `ClientStream`, and raise failures for the guard
 (`middleware.asgi.guard`) to settle: they never answer an error themselves (DESIGN.md §2, §5).
@@ -13,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from middleware.loop.agent import AgentLoop
 from middleware.loop.context import context_of
+from middleware.loop.lowering import carries_gateway_items
 from middleware.loop.passthrough import Passthrough
 from middleware.state import GatewayState
 
@@ -34,7 +36,8 @@ class ResponsesApp:
             or ctx.request.get("previous_response_id") is not None
             or ctx.request.get("conversation") is not None
         )
-        if has_mcp or stateful:
+        # input the client got from the gateway (mcp_* items, item_references) needs lowering
+        if has_mcp or stateful or carries_gateway_items(ctx.request.get("input")):
             assert self.state.catalog is not None, "the lifespan creates the tool catalog"
             resolved = await self.state.catalog.resolve(
                 tools if isinstance(tools, list) else None,

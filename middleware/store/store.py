@@ -388,6 +388,16 @@ GROUP BY c.next_seq
 _RESPONSE_SIZE = "SELECT COALESCE(size_bytes, 4 * LENGTH(response)) FROM responses WHERE id = ? AND owner = ?"
 _RESPONSE_TEXT = "SELECT response FROM responses WHERE id = ? AND owner = ?"
 
+# An item by id among the owner's responses; no index covers items.item_id alone (a scan of
+# the owner's item rows through the responses join): fine for the embedded store's sizes.
+_FIND_ITEM_SQL = """
+SELECT i.response_id, i.role, i.seq, i.size_bytes, i.node_count
+FROM items i JOIN responses r ON r.id = i.response_id
+WHERE i.item_id = ? AND r.owner = ? AND i.role IN ('output', 'input')
+ORDER BY CASE WHEN i.role = 'output' THEN 0 ELSE 1 END, r.created_at DESC, i.response_id DESC
+LIMIT 1
+"""
+
 _GET_RESPONSE = (
     "SELECT id, owner, created_at, status, model, previous_response_id, conversation_id, response, request"
     " FROM responses WHERE id = ? AND owner = ?"
@@ -641,6 +651,29 @@ class Store:
         ``[]`` when unknown or another owner's. Call `chain_size` and admit it first."""
         rows = await self._read(_LOAD_CHAIN_SQL, (response_id, owner, owner))
         return [_decode(row[0]) for row in rows]
+
+    async def find_item(self, item_id: str, owner: str) -> tuple[str, str, int, int, int] | None:
+        """Where the caller's item `item_id` is stored, for an ``item_reference``: (response id,
+        role, seq, ``size_bytes``, ``node_count``), the item column never selected; None when no
+        response of `owner` holds it. A client-visible form wins: an ``output`` row (the newest
+        response first), then an ``input`` row; ``replay`` rows (the upstream form of gateway
+        calls, never shown) are not referable. Admit the sizes, then `load_item`."""
+        rows = await self._read(_FIND_ITEM_SQL, (item_id, owner))
+        if not rows:
+            return None
+        rid, role, seq, nbytes, nodes = rows[0]
+        return str(rid), str(role), int(seq), int(nbytes), int(nodes)
+
+    async def load_item(self, response_id: str, role: str, seq: int) -> JsonObject | None:
+        """The item stored at (`response_id`, `role`, `seq`) — a `find_item` answer — decoded;
+        None when it was deleted since."""
+        rows = await self._read(
+            "SELECT item FROM items WHERE response_id = ? AND role = ? AND seq = ?", (response_id, role, seq)
+        )
+        if not rows:
+            return None
+        value = _decode(rows[0][0])
+        return value if isinstance(value, dict) else None
 
     async def list_input_items(
         self,
