@@ -336,6 +336,19 @@ def test_b37_item_reference_is_resolved_from_the_callers_store(upstream: MockUps
     assert len(upstream.requests) == 2
 
 
+def test_a_referenced_item_is_charged_before_it_is_decoded(upstream: MockUpstream, mcp_url: str) -> None:
+    big = message_item("fact " * 20000, "msg_big")
+    upstream.push(Reply.json(response_obj([big])))
+    with loop(upstream, mcp_url) as (url, _):
+        assert post(url, {"model": "m", "input": "tell me a long fact"}).status_code == 200
+        ref = {"model": "m", "input": [{"type": "item_reference", "id": "msg_big"}], "store": False}
+        r = post(url, ref, **{"loopwarden-max-retained-bytes": "65536"})
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("max_retained_bytes_exceeded", "input")
+    assert len(upstream.requests) == 1
+
+
 def test_item_reference_without_a_store_is_a_400() -> None:
     from budget import Ledger
     from middleware.errors import InvalidRequest

@@ -48,7 +48,7 @@ from middleware.loop.items import (
     sum_usage,
     upstream_body,
 )
-from middleware.loop.lowering import drop_orphans, lower_input
+from middleware.loop.lowering import Lowered, drop_orphans, lower_input
 from middleware.loop.persist import ResponseRecorder
 from middleware.loop.stitcher import StreamStitcher
 from middleware.ops import metrics
@@ -165,17 +165,7 @@ class AgentLoop:
                 code="invalid_request",
                 param="previous_response_id",
             )
-        lowered = lower_input(
-            self.input_items,
-            self.resolved,
-            known_calls=frozenset(
-                str(i.get("call_id")) for i in self.history if i.get("type") == "function_call"
-            ),
-            answered=frozenset(
-                str(i.get("call_id")) for i in self.history if i.get("type") == "function_call_output"
-            ),
-        )
-        self.new_input = lowered.items
+        lowered = self._lower_input()
         approvals = pending_approvals([*self.history, *lowered.pending], lowered.answers)
         check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
         approved = check_approvals(approvals, self.resolved, self.max_tool_calls)
@@ -203,6 +193,21 @@ class AgentLoop:
             self.replay.append(
                 {"type": "function_call_output", "call_id": call.get("call_id"), "output": text}
             )
+
+    def _lower_input(self) -> Lowered:
+        """The client's input in upstream form (`lower_input`), kept as ``new_input``."""
+
+        def call_ids(kind: str) -> frozenset[str]:
+            return frozenset(str(i.get("call_id")) for i in self.history if i.get("type") == kind)
+
+        lowered = lower_input(
+            self.input_items,
+            self.resolved,
+            known_calls=call_ids("function_call"),
+            answered=call_ids("function_call_output"),
+        )
+        self.new_input = lowered.items
+        return lowered
 
     async def _loop(self) -> None:
         while True:

@@ -145,61 +145,81 @@ def lower_input(
     `InvalidRequest` for a stateless approval of a tool the request does not expose, or with
     arguments its schema refuses.
     """
-    answers = _strings(items, "mcp_approval_response", "approval_request_id")
-    carried = _strings(items, "mcp_call", "approval_request_id")
-    outputs = set(answered) | _strings(items, "function_call_output", "call_id")
-    seen = set(known_calls)
-    out = Lowered()
+    state = _State(
+        resolved=resolved,
+        fresh=fresh,
+        answers=_strings(items, "mcp_approval_response", "approval_request_id"),
+        carried=_strings(items, "mcp_call", "approval_request_id"),
+        outputs=set(answered) | _strings(items, "function_call_output", "call_id"),
+        seen=set(known_calls),
+    )
     for item in items:
         kind = item.get("type")
         if kind == "mcp_approval_response":
             rid = item.get("approval_request_id")
-            if not (isinstance(rid, str) and (rid in carried or _call_id(rid) in outputs)):
-                out.answers.append(item)
-            continue
-        if kind == "mcp_list_tools":
-            continue
-        if kind == "mcp_call":
-            rid = item.get("approval_request_id")
-            raw_id = item.get("id")
-            call_id = (
-                _call_id(rid) if isinstance(rid, str) and rid else raw_id if isinstance(raw_id, str) else None
-            )
-            call_id = call_id or new_id("call")
-            if call_id in seen:
-                continue
-            seen.add(call_id)
-            out.items.append(_call(call_id, item, resolved))
-            out.items.append(
-                {"type": "function_call_output", "call_id": call_id, "output": mcp_call_output(item)}
-            )
+            if not (isinstance(rid, str) and (rid in state.carried or _call_id(rid) in state.outputs)):
+                state.out.answers.append(item)
+        elif kind == "mcp_call":
+            state.mcp_call(item)
         elif kind == "mcp_approval_request":
-            rid = item.get("id")
-            if not isinstance(rid, str) or not rid:
-                if fresh:
-                    raise InvalidRequest(
-                        "an mcp_approval_request input item needs its string id",
-                        code="invalid_value",
-                        param="input",
-                    )
-                continue
-            call_id = _call_id(rid)
-            if rid in carried or call_id in seen:
-                continue
-            if call_id in outputs:
-                seen.add(call_id)
-                out.items.append(_call(call_id, item, resolved))
-            elif fresh and rid in answers:
-                seen.add(call_id)
-                call = _approved_call(call_id, item, resolved)
-                out.items.append(call)
-                out.pending.append(call)
-        else:
+            state.approval_request(item)
+        elif kind != "mcp_list_tools":
             if kind == "function_call" and isinstance(item.get("call_id"), str):
-                seen.add(item["call_id"])
+                state.seen.add(item["call_id"])
             # an easy message ({"role", "content"}) is typed: the Open Responses ItemParam needs it
-            out.items.append({"type": "message", **item} if "type" not in item and "role" in item else item)
-    return out
+            state.out.items.append(
+                {"type": "message", **item} if "type" not in item and "role" in item else item
+            )
+    return state.out
+
+
+@dataclass
+class _State:
+    """One `lower_input` pass: what the items answer, and the ``call_id``s already sent."""
+
+    resolved: ResolvedTools | None
+    fresh: bool
+    answers: set[str]  # approval request ids an mcp_approval_response of the items answers
+    carried: set[str]  # approval request ids an mcp_call of the items carries (already ran)
+    outputs: set[str]  # call_ids with a function_call_output (history or items)
+    seen: set[str]  # call_ids with a function call already sent
+    out: Lowered = field(default_factory=Lowered)
+
+    def mcp_call(self, item: dict[str, Any]) -> None:
+        rid, raw_id = item.get("approval_request_id"), item.get("id")
+        call_id = (
+            _call_id(rid) if isinstance(rid, str) and rid else raw_id if isinstance(raw_id, str) else None
+        )
+        call_id = call_id or new_id("call")
+        if call_id in self.seen:
+            return
+        self.seen.add(call_id)
+        self.out.items.append(_call(call_id, item, self.resolved))
+        self.out.items.append(
+            {"type": "function_call_output", "call_id": call_id, "output": mcp_call_output(item)}
+        )
+
+    def approval_request(self, item: dict[str, Any]) -> None:
+        rid = item.get("id")
+        if not isinstance(rid, str) or not rid:
+            if self.fresh:
+                raise InvalidRequest(
+                    "an mcp_approval_request input item needs its string id",
+                    code="invalid_value",
+                    param="input",
+                )
+            return
+        call_id = _call_id(rid)
+        if rid in self.carried or call_id in self.seen:
+            return
+        if call_id in self.outputs:  # answered earlier: the call, for its output to follow
+            self.seen.add(call_id)
+            self.out.items.append(_call(call_id, item, self.resolved))
+        elif self.fresh and rid in self.answers:  # a stateless approval, to settle now
+            self.seen.add(call_id)
+            call = _approved_call(call_id, item, self.resolved)
+            self.out.items.append(call)
+            self.out.pending.append(call)
 
 
 def _strings(items: Sequence[dict[str, Any]], kind: str, key: str) -> set[str]:

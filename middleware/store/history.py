@@ -115,7 +115,8 @@ def _admit(ledger: Ledger, info: ChainInfo, param: str) -> None:
         ledger.admit_history_size(info.size_bytes, info.node_count)
     except BudgetExceeded as exc:
         raise HistoryTooLarge(
-            f"the stored history named by {param} is too large for this request's budget: {exc}",
+            f"the stored {'item referenced in' if param == 'input' else 'history named by'} {param} is too "
+            f"large for this request's budget: {exc}",
             param=param,
             requested=exc.requested,
             charged=exc.charged,
