@@ -475,6 +475,20 @@ def test_names_that_collide_after_sanitising_stay_unique() -> None:
             {"type": "function", "name": "calendar_get_time"},
             "auto",
         ),
+        (
+            {"type": "mcp", "server_label": "tools"},
+            {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "function", "name": n} for n in ("lookup", "calendar_get_time", "charge")],
+            },
+            "auto",
+        ),
+        (
+            {"type": "function", "name": "calendar.get_time"},
+            {"type": "function", "name": "calendar_get_time"},
+            "auto",
+        ),
         ({"type": "function", "name": "lookup"}, {"type": "function", "name": "lookup"}, "auto"),  # control
     ],
 )

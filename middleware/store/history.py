@@ -159,8 +159,8 @@ async def resolve_references(
         found = await store.find_item(ref, owner)
         stored = None
         if found is not None:
-            _admit(ledger, ChainInfo(found[3], found[4], 1, 0, None), "input")
-            stored = await store.load_item(found[0], found[1], found[2])
+            _admit(ledger, ChainInfo(found.size_bytes, found.node_count, 1, 0, None), "input")
+            stored = await store.load_item(found)
         if stored is None:
             raise InvalidRequest(
                 f"input[{index}] references item {ref[:100]!r}, which is not stored for this API key "

@@ -90,6 +90,7 @@ __all__ = [
     "ChainInfo",
     "ConversationNotFound",
     "DuplicateId",
+    "ItemLocation",
     "ItemSize",
     "Order",
     "Page",
@@ -214,6 +215,20 @@ class ItemSize:
 
     seq: int
     item_id: str
+    size_bytes: int
+    node_count: int
+
+
+@dataclass(frozen=True)
+class ItemLocation:
+    """Where `Store.find_item` found an item: ``table`` (``items`` or ``conversation_items``),
+    ``key`` (the response or conversation id), ``role``, ``seq``, and the sizes measured when it
+    was written (``size_bytes``, ``node_count``, as `ItemSize`)."""
+
+    table: Literal["items", "conversation_items"]
+    key: str
+    role: str
+    seq: int
     size_bytes: int
     node_count: int
 
@@ -388,13 +403,20 @@ GROUP BY c.next_seq
 _RESPONSE_SIZE = "SELECT COALESCE(size_bytes, 4 * LENGTH(response)) FROM responses WHERE id = ? AND owner = ?"
 _RESPONSE_TEXT = "SELECT response FROM responses WHERE id = ? AND owner = ?"
 
-# An item by id among the owner's responses; no index covers items.item_id alone (a scan of
-# the owner's item rows through the responses join): fine for the embedded store's sizes.
+# An item by id among the owner's responses and conversations; no index covers item_id alone
+# (a scan of item rows through the owner joins): fine at the embedded store's sizes.
 _FIND_ITEM_SQL = """
-SELECT i.response_id, i.role, i.seq, i.size_bytes, i.node_count
-FROM items i JOIN responses r ON r.id = i.response_id
-WHERE i.item_id = ? AND r.owner = ? AND i.role IN ('output', 'input')
-ORDER BY CASE WHEN i.role = 'output' THEN 0 ELSE 1 END, r.created_at DESC, i.response_id DESC
+SELECT source, item_key, role, seq, size_bytes, node_count FROM (
+    SELECT 0 AS source, i.response_id AS item_key, i.role, i.seq, i.size_bytes, i.node_count,
+           r.created_at AS created_at
+    FROM items i JOIN responses r ON r.id = i.response_id
+    WHERE i.item_id = ? AND r.owner = ? AND i.role IN ('output', 'input')
+    UNION ALL
+    SELECT 1, ci.conversation_id, ci.role, ci.seq, ci.size_bytes, ci.node_count, ci.created_at
+    FROM conversation_items ci JOIN conversations c ON c.id = ci.conversation_id
+    WHERE ci.item_id = ? AND c.owner = ? AND ci.role IN ('output', 'input')
+) found
+ORDER BY CASE WHEN role = 'output' THEN 0 ELSE 1 END, source, created_at DESC
 LIMIT 1
 """
 
@@ -652,23 +674,30 @@ class Store:
         rows = await self._read(_LOAD_CHAIN_SQL, (response_id, owner, owner))
         return [_decode(row[0]) for row in rows]
 
-    async def find_item(self, item_id: str, owner: str) -> tuple[str, str, int, int, int] | None:
-        """Where the caller's item `item_id` is stored, for an ``item_reference``: (response id,
-        role, seq, ``size_bytes``, ``node_count``), the item column never selected; None when no
-        response of `owner` holds it. A client-visible form wins: an ``output`` row (the newest
-        response first), then an ``input`` row; ``replay`` rows (the upstream form of gateway
-        calls, never shown) are not referable. Admit the sizes, then `load_item`."""
-        rows = await self._read(_FIND_ITEM_SQL, (item_id, owner))
+    async def find_item(self, item_id: str, owner: str) -> ItemLocation | None:
+        """Where the caller's item `item_id` is stored, for an ``item_reference``: an
+        `ItemLocation` with its stored sizes, the item column never selected; None when no
+        response or conversation of `owner` holds it. A client-visible form wins: an ``output``
+        row, then an ``input`` row (a response's before a conversation's, the newest first);
+        ``replay`` rows (the upstream form of gateway calls, never shown) are not referable.
+        Admit the sizes, then `load_item`."""
+        rows = await self._read(_FIND_ITEM_SQL, (item_id, owner, item_id, owner))
         if not rows:
             return None
-        rid, role, seq, nbytes, nodes = rows[0]
-        return str(rid), str(role), int(seq), int(nbytes), int(nodes)
+        source, key, role, seq, nbytes, nodes = rows[0][:6]
+        table: Literal["items", "conversation_items"] = "items" if int(source) == 0 else "conversation_items"
+        return ItemLocation(table, str(key), str(role), int(seq), int(nbytes), int(nodes))
 
-    async def load_item(self, response_id: str, role: str, seq: int) -> JsonObject | None:
-        """The item stored at (`response_id`, `role`, `seq`) — a `find_item` answer — decoded;
-        None when it was deleted since."""
+    async def load_item(self, where: ItemLocation) -> JsonObject | None:
+        """The item `find_item` located, decoded; None when it was deleted since."""
+        key_column = "response_id" if where.table == "items" else "conversation_id"
+        role_clause = "role = ? AND " if where.table == "items" else ""
+        params: Params = (
+            (where.key, where.role, where.seq) if where.table == "items" else (where.key, where.seq)
+        )
+        table = "items" if where.table == "items" else "conversation_items"  # never a caller's string
         rows = await self._read(
-            "SELECT item FROM items WHERE response_id = ? AND role = ? AND seq = ?", (response_id, role, seq)
+            f"SELECT item FROM {table} WHERE {key_column} = ? AND {role_clause}seq = ?", params
         )
         if not rows:
             return None
