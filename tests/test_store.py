@@ -775,3 +775,29 @@ def test_missing_postgres_fails_with_the_fix(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(pg.shutil, "which", lambda name: None)
     with pytest.raises(PostgresMissing, match=r"scripts/ensure-postgres\.sh"), running_postgres():
         pass
+
+
+def test_find_item_for_item_references(store_url: str) -> None:
+    """Issue 18 item 2 (case B37): an item is found by id among its owner's responses (the
+    client-visible output form first, never the replay form) and conversations, sizes before text."""
+
+    async def body(store: Store) -> None:
+        inp, out, rep = turn(1)
+        await store.save_response(response("resp_1"), input_items=inp, output_items=out, replay_items=rep)
+        found = await store.find_item("mcp_1", "alice")
+        assert found is not None and (found.table, found.key, found.role) == ("items", "resp_1", "output")
+        assert (found.size_bytes, found.node_count) == sizes([out[0]])
+        assert await store.load_item(found) == out[0]
+        msg = await store.find_item("msg_1", "alice")  # in output and replay: the output row
+        assert msg is not None and msg.role == "output"
+        assert await store.find_item("fc_1", "alice") is None  # replay only: never shown
+        assert await store.find_item("mcp_1", "bob") is None  # another owner's
+        conv = await store.create_conversation("alice", items=[{**user("in a conversation"), "id": "msg_c"}])
+        in_conv = await store.find_item("msg_c", "alice")
+        assert in_conv is not None and (in_conv.table, in_conv.key) == ("conversation_items", conv["id"])
+        assert (await store.load_item(in_conv) or {}).get("content") == "in a conversation"
+        assert await store.find_item("msg_c", "bob") is None
+        await store.delete_response("resp_1", "alice")
+        assert await store.load_item(found) is None
+
+    run_with_store(store_url, body)

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from middleware.errors import InvalidRequest, LoopLimitReached
 from middleware.ids import new_id
 from middleware.loop.approvals import approval_id, check_approvals, check_call_pairs, pending_approvals
+from middleware.loop.choice import translate_tool_choice
 from middleware.loop.compact import lowering_for
 from middleware.loop.compaction import lower_compaction_window
 from middleware.loop.context import RequestContext
@@ -40,6 +41,7 @@ from middleware.loop.decision import (
     split_calls,
 )
 from middleware.loop.items import (
+    CLIENT_CHOICE,
     TERMINAL_STATUS,
     approval_request_item,
     as_input_items,
@@ -48,12 +50,13 @@ from middleware.loop.items import (
     sum_usage,
     upstream_body,
 )
+from middleware.loop.lowering import Lowered, drop_orphans, lower_input
 from middleware.loop.memory import continuation_items, restore_turn_history
 from middleware.loop.persist import ResponseRecorder
 from middleware.loop.stitcher import StreamStitcher
 from middleware.ops import metrics
 from middleware.state import GatewayState
-from middleware.store.history import restore_history
+from middleware.store.history import resolve_references, restore_history
 from middleware.tools import ResolvedTools, ToolOutcome, refuse_tool_call, run_tool_calls
 from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
@@ -85,7 +88,9 @@ class AgentLoop:
         self.response_id = new_id("resp")
         self.request = ctx.request
         self.input_items = as_input_items(self.request.get("input"))  # as the client sent them
-        self.new_input = [i for i in self.input_items if i.get("type") != "mcp_approval_response"]
+        self.new_input: list[dict[str, Any]] = []  # the input in upstream form (`_prepare`)
+        self.tool_choice: Any = CLIENT_CHOICE  # the first round's, then the later rounds'
+        self.later_tool_choice: Any = "auto"
         self.history: list[dict[str, Any]] = []  # restored from the store, sent before the new input
         self.replay: list[dict[str, Any]] = []  # this request's items, appended to the input upstream
         self.items: list[dict[str, Any]] = list(resolved.list_items)  # what the client sees
@@ -136,10 +141,19 @@ class AgentLoop:
             metrics.INFERENCE_ROUNDS.observe(self.rounds)
 
     async def _prepare(self) -> None:
-        """Restore stored history, check call pairing, and settle answered approvals (B03, B05)."""
+        """Resolve references, restore stored history, lower the input, check call pairing, and
+        settle answered approvals, stored or stateless (B03, B05, B37, B39)."""
         # What tools/list brought in is already charged: `ToolCatalog.resolve` charged each answer
         # while it was read and, once the tools were exposed, what this request keeps of them.
         store = self.state.store
+        if "tool_choice" in self.request:
+            self.tool_choice, self.later_tool_choice = translate_tool_choice(
+                self.request["tool_choice"], self.resolved
+            )
+        # in place: the recorder stores the resolved items, so a later chain never holds a reference
+        self.input_items[:] = await resolve_references(
+            self.input_items, store, self.ctx.owner, self.ctx.ledger
+        )
         if self.ctx.memory is not None:  # a WebSocket turn: connection memory first
             self.recorder.restored = await restore_turn_history(
                 self.request, store, self.ctx.owner, self.ctx.ledger, self.ctx.memory
@@ -159,8 +173,9 @@ class AgentLoop:
                 code="invalid_request",
                 param="previous_response_id",
             )
+        lowered = self._lower_input()
         self.history, self.new_input = self._lower_compaction()
-        approvals = pending_approvals(self.history, self.input_items)
+        approvals = pending_approvals([*self.history, *lowered.pending], lowered.answers)
         check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
         approved = check_approvals(approvals, self.resolved, self.max_tool_calls)
         if approved and self.stitcher is not None:
@@ -200,15 +215,32 @@ class AgentLoop:
         )
         return history, new_input
 
+    def _lower_input(self) -> Lowered:
+        """The client's input in upstream form (`lower_input`), kept as ``new_input``."""
+
+        def call_ids(kind: str) -> frozenset[str]:
+            return frozenset(str(i.get("call_id")) for i in self.history if i.get("type") == kind)
+
+        lowered = lower_input(
+            self.input_items,
+            self.resolved,
+            known_calls=call_ids("function_call"),
+            answered=call_ids("function_call_output"),
+        )
+        self.new_input = lowered.items
+        return lowered
+
     async def _loop(self) -> None:
         while True:
             self.rounds += 1
             body = upstream_body(
                 self.request,
                 self.resolved.upstream_tools,
-                self.history + self.new_input + self.replay,
+                drop_orphans(self.history + self.new_input + self.replay),
                 self.rounds,
                 keep_text=not self.history and not self.replay,
+                tool_choice=self.tool_choice,
+                later_tool_choice=self.later_tool_choice,
             )
             terminal, output = await self._round(body)
             self.usage = sum_usage(self.usage, terminal.get("usage"))
@@ -386,7 +418,12 @@ class AgentLoop:
         response = await self._with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
         try:
             if response.status_code >= 400:
-                raise status_failure(response.status_code, await read_limited(response), response.headers)
+                failure = status_failure(response.status_code, await read_limited(response), response.headers)
+                # the client's tools[j], not the expanded list's tools[i] (B29)
+                failure.message = self.resolved.client_text(failure.message)
+                failure.args = (failure.message,)
+                failure.param = None if failure.param is None else self.resolved.client_text(failure.param)
+                raise failure
             if response.headers.get("content-type", "").lower().startswith("text/event-stream"):
                 return await self._round_stream(response)
             return await self._round_buffered(response)

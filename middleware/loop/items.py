@@ -144,16 +144,29 @@ def synthesized_events(
     return events
 
 
+#: `upstream_body`'s default ``tool_choice``: the client's own, as it sent it.
+CLIENT_CHOICE: Any = object()
+
+
 def upstream_body(
-    request: dict[str, Any], tools: list[Any], items: list[dict[str, Any]], rounds: int, *, keep_text: bool
+    request: dict[str, Any],
+    tools: list[Any],
+    items: list[dict[str, Any]],
+    rounds: int,
+    *,
+    keep_text: bool,
+    tool_choice: Any = CLIENT_CHOICE,
+    later_tool_choice: Any = "auto",
 ) -> bytes:
     """The JSON body of one inference call (DESIGN.md §6): the client's request with the
     gateway's `tools` (MCP tools as function tools), the items so far as ``input`` (the client's
     own string when `keep_text` and nothing was added), ``store: false`` and no
     ``previous_response_id`` / ``conversation`` / ``max_tool_calls`` (the gateway owns the
-    history), ``reasoning.encrypted_content`` included, and ``tool_choice: "auto"`` after the
-    first round (`rounds` is this call's number, from 1). Raises `UpstreamInvalid` when the items
-    so far hold a number JSON cannot carry (`dumps_checked`)."""
+    history), ``reasoning.encrypted_content`` included, and ``tool_choice`` — on the first round
+    `tool_choice` (default: the client's own; None leaves it out), after it `later_tool_choice`
+    (``"auto"``; `middleware.loop.choice` gives both) — `rounds` is this call's number, from 1.
+    Raises `UpstreamInvalid` when the items so far hold a number JSON cannot carry
+    (`dumps_checked`)."""
     body = dict(request)
     if "tools" in body or tools:
         body["tools"] = tools
@@ -168,7 +181,11 @@ def upstream_body(
         include.append("reasoning.encrypted_content")
     body["include"] = include
     if rounds > 1:
-        body["tool_choice"] = "auto"
+        body["tool_choice"] = later_tool_choice
+    elif tool_choice is None:
+        body.pop("tool_choice", None)
+    elif tool_choice is not CLIENT_CHOICE:
+        body["tool_choice"] = tool_choice
     return dumps_checked(body)
 
 

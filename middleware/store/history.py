@@ -2,8 +2,11 @@
 
 `restore_history` admits the size of a ``previous_response_id`` chain or a ``conversation``
 (summed in SQL, `Ledger.admit_history_size`) before any row is decoded, then loads the items the
-upstream must see (`NOT_REPLAYED` items are the client's view only). Checking the new input
-against that history (approvals, call pairing) is `middleware.loop.approvals`.
+upstream must see, lowered to upstream form (`middleware.loop.lowering.lower_history`: the
+`NOT_REPLAYED` types are the client's view; an ``mcp_call`` a client sent as input becomes its
+call/output pair). Checking the new input against that history (approvals, call pairing) is
+`middleware.loop.approvals`. `resolve_references` replaces a request's ``item_reference`` input
+items by the caller's stored items (case B37: the upstream, sent ``store: false``, holds none).
 
 Raises failures (`middleware.errors`), answered by `middleware.outcomes`: `InvalidRequest` (both
 fields given, a malformed id, a head that cannot be continued, a deleted link), `NotFound`
@@ -17,9 +20,10 @@ from typing import Any
 
 from budget import BudgetExceeded, Ledger
 from middleware.errors import HistoryTooLarge, InvalidRequest, NotFound
+from middleware.loop.lowering import lower_history
 from middleware.store.store import CONTINUABLE_STATUSES, ChainInfo, Store
 
-__all__ = ["NOT_REPLAYED", "Restored", "conversation_id_of", "restore_history"]
+__all__ = ["NOT_REPLAYED", "Restored", "conversation_id_of", "resolve_references", "restore_history"]
 
 #: Client-visible item types that the upstream never sees (their upstream form is in the replay).
 NOT_REPLAYED = frozenset({"mcp_approval_request", "mcp_approval_response", "mcp_list_tools", "mcp_call"})
@@ -90,9 +94,7 @@ async def restore_history(request: dict[str, Any], store: Store, owner: str, led
             )
         _admit(ledger, info, "previous_response_id")
         items = await store.load_chain(previous, owner)
-        return Restored(
-            [i for i in items if i.get("type") not in NOT_REPLAYED], previous_response_id=previous
-        )
+        return Restored(lower_history(items), previous_response_id=previous)
     if conversation is not None:
         cinfo = await store.conversation_size(conversation, owner)
         if cinfo is None:
@@ -102,7 +104,7 @@ async def restore_history(request: dict[str, Any], store: Store, owner: str, led
             )
         _admit(ledger, cinfo, "conversation")
         items = await store.load_conversation(conversation, owner, through_seq=cinfo.through_seq)
-        return Restored([i for i in items if i.get("type") not in NOT_REPLAYED], conversation_id=conversation)
+        return Restored(lower_history(items), conversation_id=conversation)
     return Restored([])
 
 
@@ -113,9 +115,59 @@ def _admit(ledger: Ledger, info: ChainInfo, param: str) -> None:
         ledger.admit_history_size(info.size_bytes, info.node_count)
     except BudgetExceeded as exc:
         raise HistoryTooLarge(
-            f"the stored history named by {param} is too large for this request's budget: {exc}",
+            f"the stored {'item referenced in' if param == 'input' else 'history named by'} {param} is too "
+            f"large for this request's budget: {exc}",
             param=param,
             requested=exc.requested,
             charged=exc.charged,
             limit=exc.limit,
         ) from None
+
+
+async def resolve_references(
+    items: list[dict[str, Any]], store: Store | None, owner: str, ledger: Ledger
+) -> list[dict[str, Any]]:
+    """`items` with each ``{"type": "item_reference", "id"}`` replaced by the item `owner`
+    stored under that id (`Store.find_item`: a client-visible form first), its stored size
+    admitted (``Ledger.admit_history_size``) before it is decoded; other items unchanged.
+
+    Raises `InvalidRequest` (``param: "input"``) naming an id that is not a string, unknown, or
+    another caller's, or when the gateway has no store; `HistoryTooLarge` (``param: "input"``)
+    when a referenced item does not fit the ledger.
+    """
+    if not any(i.get("type") == "item_reference" for i in items):
+        return items
+    out: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        if item.get("type") != "item_reference":
+            out.append(item)
+            continue
+        ref = item.get("id")
+        if not isinstance(ref, str) or not ref:
+            raise InvalidRequest(
+                f"input[{index}] is an item_reference without a string id",
+                code="invalid_value",
+                param="input",
+            )
+        if store is None:
+            raise InvalidRequest(
+                f"input[{index}] references item {ref[:100]!r}, but this gateway runs without a store; "
+                "send the item itself instead of an item_reference",
+                code="invalid_value",
+                param="input",
+            )
+        found = await store.find_item(ref, owner)
+        stored = None
+        if found is not None:
+            _admit(ledger, ChainInfo(found.size_bytes, found.node_count, 1, 0, None), "input")
+            stored = await store.load_item(found)
+        if stored is None:
+            raise InvalidRequest(
+                f"input[{index}] references item {ref[:100]!r}, which is not stored for this API key "
+                "(unknown, deleted, or another caller's); send the item itself, or reference an item "
+                "of a stored response",
+                code="invalid_value",
+                param="input",
+            )
+        out.append(stored)
+    return out

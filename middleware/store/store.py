@@ -90,6 +90,7 @@ __all__ = [
     "ChainInfo",
     "ConversationNotFound",
     "DuplicateId",
+    "ItemLocation",
     "ItemSize",
     "Order",
     "Page",
@@ -214,6 +215,20 @@ class ItemSize:
 
     seq: int
     item_id: str
+    size_bytes: int
+    node_count: int
+
+
+@dataclass(frozen=True)
+class ItemLocation:
+    """Where `Store.find_item` found an item: ``table`` (``items`` or ``conversation_items``),
+    ``key`` (the response or conversation id), ``role``, ``seq``, and the sizes measured when it
+    was written (``size_bytes``, ``node_count``, as `ItemSize`)."""
+
+    table: Literal["items", "conversation_items"]
+    key: str
+    role: str
+    seq: int
     size_bytes: int
     node_count: int
 
@@ -387,6 +402,23 @@ GROUP BY c.next_seq
 # UTF-8 length from above (COALESCE evaluates LENGTH only for them, on both databases).
 _RESPONSE_SIZE = "SELECT COALESCE(size_bytes, 4 * LENGTH(response)) FROM responses WHERE id = ? AND owner = ?"
 _RESPONSE_TEXT = "SELECT response FROM responses WHERE id = ? AND owner = ?"
+
+# An item by id among the owner's responses and conversations; no index covers item_id alone
+# (a scan of item rows through the owner joins): fine at the embedded store's sizes.
+_FIND_ITEM_SQL = """
+SELECT source, item_key, role, seq, size_bytes, node_count FROM (
+    SELECT 0 AS source, i.response_id AS item_key, i.role, i.seq, i.size_bytes, i.node_count,
+           r.created_at AS created_at
+    FROM items i JOIN responses r ON r.id = i.response_id
+    WHERE i.item_id = ? AND r.owner = ? AND i.role IN ('output', 'input')
+    UNION ALL
+    SELECT 1, ci.conversation_id, ci.role, ci.seq, ci.size_bytes, ci.node_count, ci.created_at
+    FROM conversation_items ci JOIN conversations c ON c.id = ci.conversation_id
+    WHERE ci.item_id = ? AND c.owner = ? AND ci.role IN ('output', 'input')
+) found
+ORDER BY CASE WHEN role = 'output' THEN 0 ELSE 1 END, source, created_at DESC
+LIMIT 1
+"""
 
 _GET_RESPONSE = (
     "SELECT id, owner, created_at, status, model, previous_response_id, conversation_id, response, request"
@@ -641,6 +673,36 @@ class Store:
         ``[]`` when unknown or another owner's. Call `chain_size` and admit it first."""
         rows = await self._read(_LOAD_CHAIN_SQL, (response_id, owner, owner))
         return [_decode(row[0]) for row in rows]
+
+    async def find_item(self, item_id: str, owner: str) -> ItemLocation | None:
+        """Where the caller's item `item_id` is stored, for an ``item_reference``: an
+        `ItemLocation` with its stored sizes, the item column never selected; None when no
+        response or conversation of `owner` holds it. A client-visible form wins: an ``output``
+        row, then an ``input`` row (a response's before a conversation's, the newest first);
+        ``replay`` rows (the upstream form of gateway calls, never shown) are not referable.
+        Admit the sizes, then `load_item`."""
+        rows = await self._read(_FIND_ITEM_SQL, (item_id, owner, item_id, owner))
+        if not rows:
+            return None
+        source, key, role, seq, nbytes, nodes = rows[0][:6]
+        table: Literal["items", "conversation_items"] = "items" if int(source) == 0 else "conversation_items"
+        return ItemLocation(table, str(key), str(role), int(seq), int(nbytes), int(nodes))
+
+    async def load_item(self, where: ItemLocation) -> JsonObject | None:
+        """The item `find_item` located, decoded; None when it was deleted since."""
+        key_column = "response_id" if where.table == "items" else "conversation_id"
+        role_clause = "role = ? AND " if where.table == "items" else ""
+        params: Params = (
+            (where.key, where.role, where.seq) if where.table == "items" else (where.key, where.seq)
+        )
+        table = "items" if where.table == "items" else "conversation_items"  # never a caller's string
+        rows = await self._read(
+            f"SELECT item FROM {table} WHERE {key_column} = ? AND {role_clause}seq = ?", params
+        )
+        if not rows:
+            return None
+        value = _decode(rows[0][0])
+        return value if isinstance(value, dict) else None
 
     async def list_input_items(
         self,

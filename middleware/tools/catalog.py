@@ -27,8 +27,12 @@ keeps them open across rounds and requests; the app's lifespan ends with ``await
 **Names.** The upstream sees each MCP tool under its own name. When two MCP servers declared in the
 same request both expose a tool of the same name (after ``allowed_tools``), *both* are renamed
 ``LABEL__name`` (the server label, two underscores, the MCP name), so neither silently wins; other
-tools keep their names. A client ``function`` tool whose name equals a final MCP function name is
-refused (``duplicate_tool_name``). ``mcp_list_tools`` items always show the MCP names.
+tools keep their names. A name the upstream's grammar rejects (``calendar.get_time``; over 64
+characters) is given a conforming one that no other tool of the request has
+(`middleware.tools.names.upstream_name`, case B29). A client ``function`` tool whose name equals a
+final MCP function name is refused (``duplicate_tool_name``). ``mcp_list_tools`` and ``mcp_call``
+items always show the MCP names, and ``tools/call`` gets them; an upstream error whose ``param``
+indexes the expanded tools is re-indexed to the client's (`ResolvedTools.client_param`).
 
 **Filters and approval.** ``allowed_tools`` narrows what a server exposes and ``require_approval``
 decides which calls the client must approve, as `middleware.tools.policy` describes; the catalog
@@ -97,6 +101,7 @@ from middleware.tools.listing import (
     listing_size,
     server_identity,
 )
+from middleware.tools.names import upstream_name
 from middleware.tools.policy import ApprovalPolicy, ToolFilter, parse_allowed_tools, parse_approval
 from middleware.tools.pool import PoolLimits, SessionPool, SessionUnavailable
 from middleware.tools.resolved import GatewayTool, ResolvedTools
@@ -309,10 +314,14 @@ class ToolCatalog:
         counts = Counter(t.name for ts in exposed.values() for t in ts)
         gateway: dict[str, GatewayTool] = {}
         functions: dict[str, list[dict[str, Any]]] = {}
+        client_names = {
+            str(t.get("name")) for t in tools if isinstance(t, dict) and t.get("type") == "function"
+        }
         for d in declared:
             functions[d.label] = []
             for t in exposed[d.label]:
-                function_name = t.name if counts[t.name] == 1 else f"{d.label}__{t.name}"
+                wanted = t.name if counts[t.name] == 1 else f"{d.label}__{t.name}"
+                function_name = upstream_name(wanted, client_names | gateway.keys())
                 if function_name in gateway:
                     other = gateway[function_name]
                     raise _bad(
@@ -343,10 +352,13 @@ class ToolCatalog:
                 )
 
         upstream: list[dict[str, Any]] = []
+        origins: list[int] = []  # upstream tools[i] comes from the client's tools[origins[i]]
         by_index = {d.index: d for d in declared}
         for index, tool in enumerate(tools):
             mcp_entry = by_index.get(index)
-            upstream.extend(functions[mcp_entry.label] if mcp_entry is not None else [tool])
+            entries = functions[mcp_entry.label] if mcp_entry is not None else [tool]
+            upstream.extend(entries)
+            origins.extend([index] * len(entries))
         list_items = [
             {
                 "type": "mcp_list_tools",
@@ -383,6 +395,7 @@ class ToolCatalog:
             endpoints={d.label: dataclasses.replace(d.endpoint, tenant=tenant) for d in declared},
             connect_timeout=self.connect_timeout,
             pool=self.pool,
+            origins=origins,
         )
 
     def _declare(self, index: int, tool: Mapping[str, Any]) -> _Declared:
