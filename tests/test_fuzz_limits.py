@@ -377,12 +377,16 @@ REQUEST_ID = re.compile(r" ?\[request id req_\w+\]")
 
 
 def normalised(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """Events with the per-request values (the minted response id, request ids) made constant."""
+    """Events with the per-request values (the minted response id, request ids, and the
+    ``created_at`` the gateway fills when the upstream sent none: the request's own second) made
+    constant."""
     out = []
     for name, data in events:
         data = json.loads(REQUEST_ID.sub("", json.dumps(data)))
         if isinstance(data.get("response"), dict) and "id" in data["response"]:
             data["response"]["id"] = "resp_gw"
+            if "created_at" in data["response"]:
+                data["response"]["created_at"] = 0
         out.append((name, data))
     return out
 

@@ -290,6 +290,30 @@ def test_passthrough_minimal_upstream_is_completed_from_the_request(upstream: Mo
         assert response["tools"] == [{**tool, "description": None, "strict": True}]
 
 
+@pytest.mark.parametrize("store", [False, True], ids=["passthrough", "loop"])
+def test_one_created_at_for_every_object_of_a_response_the_upstream_left_it_out_of(
+    upstream: MockUpstream, monkeypatch: pytest.MonkeyPatch, store: bool
+) -> None:
+    """The upstream sends no ``created_at``: the created, in-progress and terminal events (and the
+    stored object) all say the request's own second, not each the second it was filled in (a
+    clock that ticks at every read makes any second fill differ)."""
+    import itertools
+    import types
+
+    from middleware.loop import echo
+
+    ticks = itertools.count(1_900_000_000)
+    monkeypatch.setattr(echo, "time", types.SimpleNamespace(time=lambda: next(ticks)))
+    upstream.push(Reply.sse([*PRE(), DONE(2, [message_item("hi")])]))
+    with gateway(upstream) as (url, _):
+        events = streamed(url, {"model": "m", "input": "hi", "store": store})
+        stamps = {data["response"]["created_at"] for _, data in events if "response" in data}
+        assert len(stamps) == 1, stamps
+        if store:
+            stored = httpx.get(f"{url}/v1/responses/{events[-1][1]['response']['id']}", timeout=10).json()
+            assert stored["created_at"] in stamps
+
+
 def test_a_complete_upstream_body_is_forwarded_byte_for_byte(upstream: MockUpstream) -> None:
     request = {"model": "m", "input": "hi", "store": False, "tools": [WEATHER]}
     complete = build_response(request)

@@ -102,7 +102,9 @@ class AgentLoop:
             int(max_tool_calls) if isinstance(max_tool_calls, int | float) else None
         )
         self.stitcher = (
-            StreamStitcher(ctx.client, resolved, self.response_id, self.request, self.items)
+            StreamStitcher(
+                ctx.client, resolved, self.response_id, self.request, self.items, created_at=ctx.created_at
+            )
             if ctx.stream
             else None
         )
@@ -395,6 +397,7 @@ class AgentLoop:
             restored=self.recorder.restored,
             usage=self.usage,
             incomplete=decision.reason if isinstance(decision, Incomplete) else None,
+            created_at=self.ctx.created_at,
         )
         raw = dumps_checked(final)
         self.ctx.ledger.admit_terminal(raw)

@@ -9,6 +9,7 @@ loop fills so that the guard can store a failure's true status (`middleware.outc
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,8 @@ class RequestContext:
     API key) that stored responses belong to. ``route``: the configured model route (None: not
     configured). ``client``: the one writer to the client. ``hooks``: see `RequestHooks`.
     ``memory``: the connection-local memory of the WebSocket connection this request is a turn
-    of (None: an HTTP request).
+    of (None: an HTTP request). ``created_at``: epoch seconds at admission, what every response
+    object of this request says when the upstream sent no ``created_at``.
     """
 
     ledger: Ledger
@@ -58,6 +60,7 @@ class RequestContext:
     route: ModelRoute | None = None
     hooks: RequestHooks = dataclasses.field(default_factory=RequestHooks)
     memory: ConnectionMemory | None = None
+    created_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
 def context_of(scope: MutableMapping[str, Any]) -> RequestContext:

@@ -97,14 +97,18 @@ def _fill_reasoning(reasoning: object) -> object:
     return reasoning
 
 
-def normalise_response(response: dict[str, Any], request: dict[str, Any]) -> bool:
+def normalise_response(
+    response: dict[str, Any], request: dict[str, Any], *, created_at: int | None = None
+) -> bool:
     """Fill `response`'s missing echo fields in place (see the module docstring); return whether
     anything changed. Also fills the non-echo fields the spec requires when they are absent
     (``object``, ``created_at`` now, ``model`` the request's, ``output`` [], ``completed_at``,
     ``incomplete_details``, ``error`` and ``usage`` null; a ``usage`` object gets the token counts
     and details it lacks, as 0) and gives ``tools`` (the request's
     when the upstream sent none) the function-tool defaults of `echo_tool`. ``id`` and
-    ``status`` are the caller's. Never raises on odd upstream values: they are replaced."""
+    ``status`` are the caller's. ``created_at``: the epoch seconds a missing ``created_at`` gets
+    (the request's `RequestContext.created_at`, so every object of one response says the same; None:
+    now). Never raises on odd upstream values: they are replaced."""
     before = len(response)
     changed = False
     for field, value in ECHO_DEFAULTS.items():
@@ -119,7 +123,7 @@ def normalise_response(response: dict[str, Any], request: dict[str, Any]) -> boo
         if fill is not response[field]:
             response[field] = fill
             changed = True
-    changed |= _fill_resource(response, request)
+    changed |= _fill_resource(response, request, created_at)
     tools = response.get("tools")
     if not isinstance(tools, list):
         sent = request.get("tools")
@@ -132,7 +136,7 @@ def normalise_response(response: dict[str, Any], request: dict[str, Any]) -> boo
     return changed or len(response) != before
 
 
-def _fill_resource(response: dict[str, Any], request: dict[str, Any]) -> bool:
+def _fill_resource(response: dict[str, Any], request: dict[str, Any], created_at: int | None) -> bool:
     """The non-echo required fields of a response object, when absent or of the wrong type."""
     changed = False
     fills: tuple[tuple[str, type | tuple[type, ...], object], ...] = (
@@ -145,7 +149,8 @@ def _fill_resource(response: dict[str, Any], request: dict[str, Any]) -> bool:
         current = response.get(field)
         if not isinstance(current, kind) or isinstance(current, bool):
             if field == "created_at":
-                value = int(current) if isinstance(current, float) and current >= 0 else int(time.time())
+                now = int(time.time()) if created_at is None else created_at
+                value = int(current) if isinstance(current, float) and current >= 0 else now
             elif field == "output":
                 value = []
             response[field] = value

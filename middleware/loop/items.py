@@ -199,12 +199,13 @@ def final_response(
     restored: Restored,
     usage: dict[str, Any] | None,
     incomplete: str | None,
+    created_at: int | None = None,
 ) -> dict[str, Any]:
     """The client's response object: the last round's terminal response with the gateway's id,
     every round's visible `items`, the client's own ``tools`` (secrets null), ``tool_choice``,
     ``store``, ``previous_response_id`` / ``conversation`` (from `restored`), the summed `usage`,
     and ``incomplete`` (a reason) when the loop ended incomplete (DESIGN.md §6); echo fields the
-    upstream left out are filled from the request (`normalise_response`)."""
+    upstream left out are filled from the request (`normalise_response`; ``created_at`` its)."""
     final = dict(terminal)
     final["id"] = response_id
     final["object"] = "response"
@@ -222,7 +223,7 @@ def final_response(
         final["incomplete_details"] = {"reason": incomplete}
     elif final.get("status") in (None, "in_progress"):
         final["status"] = "completed"
-    normalise_response(final, request)
+    normalise_response(final, request, created_at=created_at)
     return final
 
 

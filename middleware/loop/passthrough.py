@@ -77,7 +77,7 @@ class Passthrough:
         answer = await read_response_object(response, self.ctx.ledger)
         parsed, items, body = answer.parsed, answer.items, answer.body
         del answer
-        changed = normalise_response(parsed, self.ctx.request)
+        changed = normalise_response(parsed, self.ctx.request, created_at=self.ctx.created_at)
         if self.ctx.stream:  # a server that ignored "stream": the client still gets SSE
             del body
             await self._synthesize_stream(parsed, items)
@@ -103,14 +103,14 @@ class Passthrough:
             raise no_terminal_event()
         final = dict(acc.terminal)
         final["output"] = acc.output()
-        normalise_response(final, self.ctx.request)
+        normalise_response(final, self.ctx.request, created_at=self.ctx.created_at)
         return final
 
     def _snapshot(self) -> dict[str, Any]:
         """The response so far for a failure after commit: the upstream's created object's scalar
         fields (`response_summary`; the items were forwarded and dropped, not kept, on this path)."""
         snapshot = {**(self._created or {}), "output": []}
-        normalise_response(snapshot, self.ctx.request)
+        normalise_response(snapshot, self.ctx.request, created_at=self.ctx.created_at)
         return snapshot
 
     async def _forward_stream(self, response: UpstreamResponse) -> None:
@@ -126,7 +126,7 @@ class Passthrough:
         changed = event.changed
         response = event.obj.get("response")
         if event.type in NORMALISED_EVENTS and isinstance(response, dict):
-            changed |= normalise_response(response, self.ctx.request)
+            changed |= normalise_response(response, self.ctx.request, created_at=self.ctx.created_at)
             if event.type == "response.created":
                 self._created = response_summary(response)
         await self.client.forward(event.type, event.data, event.obj, changed=changed)

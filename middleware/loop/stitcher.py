@@ -32,14 +32,17 @@ class StreamStitcher:
         response_id: str,
         request: dict[str, Any],
         items: list[dict[str, Any]],
+        *,
+        created_at: int | None = None,
     ) -> None:
         """``client``: the writer; ``resolved``: the request's tools; ``response_id``: the gateway's
         id; ``request``: the client's request; ``items``: the client-visible output so far (the
-        loop's list, read for the failure snapshot)."""
+        loop's list, read for the failure snapshot); ``created_at``: see `normalise_response`."""
         self.client = client
         self.resolved = resolved
         self.response_id = response_id
         self.request = request
+        self.created_at = created_at
         self.items = items
         self.model = request.get("model")
         self.summary: dict[str, Any] = {}  # the upstream's scalar fields (response.created)
@@ -62,7 +65,7 @@ class StreamStitcher:
         public["tool_choice"] = self.request.get("tool_choice", "auto")
         public["previous_response_id"] = self.request.get("previous_response_id")
         public["store"] = self.request.get("store") is not False  # the client's, not the upstream call's
-        normalise_response(public, self.request)
+        normalise_response(public, self.request, created_at=self.created_at)
         return public
 
     def snapshot(self) -> dict[str, Any]:
