@@ -47,6 +47,7 @@ from middleware.ops.admission import (
 )
 from middleware.ops.redact import register_secret
 from middleware.ops.request_id import RequestIdMiddleware
+from middleware.ops.shield import RetryShield
 from middleware.state import GatewayState
 from middleware.store.reads import StoreReads
 from middleware.store.routes import store_routes
@@ -91,6 +92,20 @@ async def not_served(request: Request) -> Response:
     return failure_response(
         UnknownRoute(f"no route {request.url.path}: this gateway does not offer it yet (see the README)")
     )
+
+
+#: The message of a Chat Completions (or legacy Completions) request: what the gateway serves instead.
+CHAT_COMPLETIONS_MESSAGE = (
+    "loopwarden serves the OpenAI Responses API (POST /v1/responses), not {path}: configure the "
+    'client for the Responses API (openai SDK: client.responses.create; Codex: wire_api = "responses"; '
+    "LangChain: use_responses_api=True)"
+)
+
+
+async def chat_completions_not_served(request: Request) -> Response:
+    """``/v1/chat/completions`` and ``/v1/completions``: 404 ``unknown_url`` for every method, whose
+    message says that the gateway serves the Responses API and how to point a client at it."""
+    return failure_response(UnknownRoute(CHAT_COMPLETIONS_MESSAGE.format(path=request.url.path)))
 
 
 async def passthrough_models(upstream: UpstreamClient) -> Response:
@@ -273,6 +288,12 @@ def create_app(
         keepalive_interval=settings.keepalive_interval,
         client_write_timeout=settings.client_write_timeout,
         charge_model=ChargeModel.named(settings.charge_model),
+        shield=RetryShield(
+            seconds=settings.retry_shield_seconds,
+            max_entries=settings.retry_shield_max_entries,
+            max_bytes=settings.retry_shield_max_bytes,
+            pool=pool,
+        ),
     )
 
     async def readyz(request: Request) -> Response:
@@ -293,6 +314,10 @@ def create_app(
     routes: list[Any] = [
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/compact", not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+        *(
+            Route(path, chat_completions_not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+            for path in ("/v1/chat/completions", "/v1/completions")
+        ),
         *store_routes(
             get_store,
             owner_of,

@@ -28,6 +28,7 @@ Failure                          base: ``message``, ``param``, ``code`` (rows th
 ├── ShuttingDown                 draining: refused, or the drain timeout passed (503)
 ├── DeadlineExceeded             --request-deadline passed (504)
 ├── McpServerUnavailable         an MCP server's tools/list failed (502)
+├── ShieldHit                    the retry shield answers a repeated failed request (its original status)
 └── UpstreamError                (middleware.upstream.errors) the model server failed
 ```
 
@@ -37,7 +38,10 @@ by their ``phase`` (the initial payload and restored history are 413, anything l
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from middleware.ops.shield import Remembered
 
 
 class Failure(Exception):
@@ -220,3 +224,22 @@ class McpServerUnavailable(Failure):
     """An MCP server's ``tools/list`` failed (unreachable, timeout, protocol error)."""
 
     row = "mcp_server_unavailable"
+
+
+class ShieldHit(Failure):
+    """The same caller sent a request identical to one that failed deterministically within
+    ``--retry-shield-seconds`` (`middleware.ops.shield.RetryShield`): ``answer`` is the remembered
+    answer, sent again as it was. Facts: ``original_row``, ``original_request_id``, ``age``
+    (seconds since the failure)."""
+
+    row = "retry_shield"
+
+    def __init__(self, answer: Remembered, *, age: float) -> None:
+        super().__init__(
+            f"an identical request from this caller failed {age:.1f} s ago; the same answer is sent again",
+            code=answer.code,
+            original_row=answer.row,
+            original_request_id=answer.request_id,
+            age=round(age, 3),
+        )
+        self.answer = answer

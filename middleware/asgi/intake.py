@@ -20,12 +20,18 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
 4. ``Ledger.admit_input`` (413), then the strict parse and the field checks (`InvalidRequest`);
 5. the model route (`ModelNotFound`), its charge model (the body is re-charged at its price) and
    its lower limit (413 if what is charged no longer fits).
+
+Between 3 and 4, once the whole body is read, the retry shield (`middleware.ops.shield`): the
+body's SHA-256 is computed while it is read, and a request identical to one that failed
+deterministically (same caller, limits and body) within the window raises `ShieldHit` with the
+remembered answer; ``shield_key`` is left for the guard to remember this request's failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 from collections.abc import Iterable
 
 from starlette.types import Receive, Scope
@@ -58,10 +64,12 @@ from middleware.errors import (
     ModelNotFound,
     Overloaded,
     ProcessBudgetExceeded,
+    ShieldHit,
     ShuttingDown,
 )
 from middleware.loop.context import RequestContext
 from middleware.ops.admission import DrainState, ProcessPool, RequestReservation
+from middleware.ops.shield import RetryShield, request_key
 
 LIMIT_HEADERS = {
     b"loopwarden-max-retained-bytes": "max_retained_bytes",
@@ -82,7 +90,8 @@ class IntakeConfig:
     """What every intake of one gateway shares, built once by `BudgetMiddleware`: the server-wide
     ``limits``, the ``authenticator``, the model ``router``, the admission ``pool``, the ``drain``
     state, ``client_body_timeout`` (seconds to receive a whole body), ``retry_after`` (seconds
-    in a 503) and ``charge_model`` (the server's; models may name their own)."""
+    in a 503), ``charge_model`` (the server's; models may name their own) and ``shield`` (the
+    worker's retry shield; None: off)."""
 
     limits: Limits
     authenticator: Authenticator
@@ -92,6 +101,7 @@ class IntakeConfig:
     client_body_timeout: float
     retry_after: float
     charge_model: ChargeModel = dataclasses.field(default_factory=ChargeModel.measured)
+    shield: RetryShield | None = None
 
     def model_for(self, name: str | None) -> ChargeModel:
         """The charge model of a route naming ``name`` (None: the server's)."""
@@ -112,8 +122,9 @@ class Intake:
 
     What it acquired stays on the object for the guard to settle whatever happens:
     ``reservation`` (the pool's), ``ledger`` (the request's), ``model_label`` (the metric label),
-    ``owner`` (the caller's hash), ``caller`` (whose pool share it counts against) and ``lowered``
-    (the limits this request lowered with its own headers).
+    ``owner`` (the caller's hash), ``caller`` (whose pool share it counts against), ``lowered``
+    (the limits this request lowered with its own headers) and ``shield_key`` (the retry-shield
+    key, once the whole body was read with the shield on; else None).
     """
 
     def __init__(self, scope: Scope, receive: Receive, config: IntakeConfig) -> None:
@@ -126,6 +137,8 @@ class Intake:
         self.ledger: Ledger | None = None
         self.model_label = "other"
         self.lowered: set[str] = set()
+        self.shield_key: bytes | None = None
+        self._digest = hashlib.sha256()
 
     async def admit(self, client: ClientStream) -> RequestContext:
         """Run the checks; the admitted request, its ledger charged with the body."""
@@ -155,6 +168,7 @@ class Intake:
                 "(--client-body-timeout); send the whole body promptly",
                 seconds=self.config.client_body_timeout,
             ) from None
+        self._check_shield(limits)
         # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
         # the store doubles it (the persisted projection) is known only after parsing, so the
         # doubled charge replaces the single one then — exact for both, and sound throughout.
@@ -206,6 +220,19 @@ class Intake:
         """The server's limits, lowered by the request's ``loopwarden-max-*`` headers."""
         limits, self.lowered = effective_limits(self.config.limits, self.scope.get("headers", []))
         return limits
+
+    def _check_shield(self, limits: Limits) -> None:
+        """With the whole body read: set ``shield_key``, and raise `ShieldHit` when the shield
+        remembers a failure of this caller's identical request."""
+        shield = self.config.shield
+        if shield is None or not shield.enabled:
+            return
+        self.shield_key = key = request_key(
+            self.caller, (limits.max_retained_bytes, limits.max_infer_iters), self._digest.digest()
+        )
+        hit = shield.lookup(key)
+        if hit is not None:
+            raise ShieldHit(hit, age=shield.clock() - hit.at)
 
     def _content_length(self) -> int | None:
         for name, value in self.scope.get("headers", []):
@@ -322,6 +349,7 @@ class Intake:
                     counter.feed(chunk)
                 except JsonTooDeep as exc:
                     raise InvalidRequest(str(exc), code="json_too_deep") from None
+                self._digest.update(chunk)
                 parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)

@@ -10,6 +10,8 @@ One job per module:
 * `request_id` — `RequestIdMiddleware` and `log_config`: ``x-request-id`` on every answer and
   log line.
 * `redact` — `redact`, `redact_url`: operator secrets and URL credentials kept out of messages.
+* `shield` — `RetryShield`: the per-worker retry shield (a deterministic failure answered again
+  to the same caller's identical request, without an upstream call).
 * `capacity` — ``loopwarden capacity``: limits and worker memory from observed traffic.
 * `plot` — `bar_chart_png`: the dependency-free PNG chart of ``loopwarden capacity --plot``.
 

@@ -1,0 +1,168 @@
+"""The retry shield: a deterministic failure, answered again at once to the same caller's retry.
+
+Clients that retry what they should not (the Codex CLI ignores ``x-should-retry: false`` and
+sent one request 30 times after a 502 ``max_retained_bytes_exceeded``, each a real inference
+call) multiply the cost of a failure. `RetryShield` remembers the answer to a failure the outcome
+table marks as shielded (`middleware.outcomes.shielded`: 400 validation, 413 ledger overflow of
+the parsed input, 508, budget 502s, and any failure after a gateway tool with side effects ran)
+for ``seconds`` under a key made of the caller's identity (the API-key hash, or ``addr:<host>``
+on an open gateway — `middleware.asgi.auth.Authenticator.caller`, the per-caller share's
+notion), the limits the request ran under and the SHA-256 of its body (hashed while it is read;
+no copy is kept). The same request again within the window gets the remembered status, headers
+and body at once — no upstream call, no tool run (DESIGN.md §5, last row).
+
+Per worker: each process has its own (with ``--workers N`` a client may reach each worker once).
+Memory is bounded by ``max_entries`` and ``max_bytes``: the oldest entries are evicted first, an
+answer larger than ``max_bytes // 8`` is not remembered, and every entry's cost (`entry_cost`:
+its bytes plus `ENTRY_OVERHEAD`) is drawn from the worker's admission pool (`ProcessPool`) as
+caller `POOL_CALLER`, so what the shield holds is room new requests do not get; when the pool
+has no room the answer is simply not remembered. ``seconds == 0`` turns the shield off.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable
+
+from middleware.ops.admission import ProcessPool
+
+#: Budget bytes charged per entry on top of its bytes: the key, the entry object, its tuples and
+#: the dict slot (CPython: ~450 bytes measured for a 3-header entry; rounded up).
+ENTRY_OVERHEAD = 1024
+#: The admission-pool caller the shield's entries are held under.
+POOL_CALLER = "retry-shield"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Remembered:
+    """One remembered answer: HTTP ``status``, ``headers`` (lower-case name, value bytes) and
+    ``body`` bytes exactly as they were sent (a committed stream's answer is the replay:
+    ``response.created`` then the same ``error`` / ``response.failed`` frames), the outcome
+    ``row`` and ``code`` it answered, the ``request_id`` of the request that failed, and ``at``
+    (the shield's clock, seconds) when it was remembered."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    row: str
+    code: str
+    request_id: str
+    at: float
+
+    @property
+    def cost(self) -> int:
+        """Budget bytes this entry holds (`entry_cost`)."""
+        return entry_cost(self.headers, self.body)
+
+
+def entry_cost(headers: tuple[tuple[bytes, bytes], ...], body: bytes) -> int:
+    """Budget bytes of one entry: body and header bytes plus `ENTRY_OVERHEAD`."""
+    return len(body) + sum(len(k) + len(v) for k, v in headers) + ENTRY_OVERHEAD
+
+
+def request_key(caller: str, limits: tuple[int, ...], body_digest: bytes) -> bytes:
+    """The shield key of a request: SHA-256 over the caller's identity, the effective limits
+    (``max_retained_bytes``, ``max_infer_iters``: a request that lowered them differently may end
+    differently) and the SHA-256 ``body_digest`` of its raw body (32 bytes)."""
+    h = hashlib.sha256(caller.encode("utf-8", "surrogateescape"))
+    h.update(b"\0" + ",".join(map(str, limits)).encode() + b"\0")
+    h.update(body_digest)
+    return h.digest()
+
+
+class RetryShield:
+    """The per-worker memory of shielded failures (see the module docstring).
+
+    ``seconds``: how long an answer is remembered (0: off). ``max_entries``, ``max_bytes``: the
+    bounds (entries; budget bytes, `entry_cost`). ``pool``: the admission pool the entries are
+    drawn from (None: not counted, for unit tests). ``clock``: seconds, monotonic.
+    Raises ValueError for a negative ``seconds``, ``max_entries`` or ``max_bytes``.
+    """
+
+    def __init__(
+        self,
+        *,
+        seconds: float,
+        max_entries: int = 4096,
+        max_bytes: int = 16 * 1024 * 1024,
+        pool: ProcessPool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if seconds < 0 or max_entries < 0 or max_bytes < 0:
+            raise ValueError(
+                f"retry shield bounds must be >= 0, got seconds={seconds}, max_entries={max_entries}, "
+                f"max_bytes={max_bytes}"
+            )
+        self.seconds = seconds
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.pool = pool
+        self.clock = clock
+        self.held = 0  # budget bytes of the entries now
+        self._entries: collections.OrderedDict[bytes, Remembered] = collections.OrderedDict()
+
+    def __repr__(self) -> str:
+        return (
+            f"RetryShield(seconds={self.seconds:g}, max_entries={self.max_entries}, max_bytes={self.max_bytes}, "
+            f"entries={len(self._entries)}, held={self.held})"
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything can be remembered (``seconds`` and both bounds above 0)."""
+        return self.seconds > 0 and self.max_entries > 0 and self.max_bytes > ENTRY_OVERHEAD
+
+    @property
+    def max_entry_bytes(self) -> int:
+        """The largest entry remembered (budget bytes): an eighth of ``max_bytes``."""
+        return self.max_bytes // 8
+
+    def lookup(self, key: bytes) -> Remembered | None:
+        """The answer remembered under `key` within the window, or None (expired ones are dropped)."""
+        self._expire()
+        return self._entries.get(key)
+
+    def remember(self, key: bytes, answer: Remembered) -> bool:
+        """Remember `answer` under `key` (replacing an older one); False when it is not kept: the
+        shield is off, the answer is over `max_entry_bytes`, or the pool has no room for it."""
+        if not self.enabled:
+            return False
+        cost = answer.cost
+        if cost > self.max_entry_bytes:
+            return False
+        self._expire()
+        self._drop(key)
+        while self._entries and (len(self._entries) >= self.max_entries or self.held + cost > self.max_bytes):
+            self._drop(next(iter(self._entries)))
+        if self.pool is not None and self.pool.draw(cost, caller=POOL_CALLER) is not None:
+            return False
+        self._entries[key] = answer
+        self.held += cost
+        return True
+
+    def clear(self) -> None:
+        """Forget everything and give the pool back what the entries held."""
+        for key in list(self._entries):
+            self._drop(key)
+
+    def _expire(self) -> None:
+        cutoff = self.clock() - self.seconds
+        while self._entries:
+            key, oldest = next(iter(self._entries.items()))
+            if oldest.at > cutoff:
+                return
+            self._drop(key)
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self.held -= entry.cost
+        if self.pool is not None:
+            self.pool.give(entry.cost, caller=POOL_CALLER)
