@@ -21,7 +21,14 @@ import pytest
 from middleware import outcomes
 from middleware.errors import InvalidRequest, LoopLimitReached, Overloaded, ShieldHit
 from middleware.ops.admission import ProcessPool
-from middleware.ops.shield import ENTRY_OVERHEAD, POOL_CALLER, Remembered, RetryShield, request_key
+from middleware.ops.shield import (
+    ENTRY_OVERHEAD,
+    POOL_CALLER,
+    Remembered,
+    RetryShield,
+    canonical_digest,
+    request_key,
+)
 from middleware.upstream.errors import status_failure
 from tests.helpers import FC, PRE, B, MetricDelta, gateway, message_item, response_obj, sse_events, text_delta
 from tests.mcp_servers import Probe, build_tools_server, serve_mcp
@@ -75,6 +82,22 @@ def test_the_key_is_the_caller_the_limits_and_the_body() -> None:
     }
     assert len(keys) == 5
     assert request_key("sha256:a", (B, 10), digest) in keys
+
+
+def test_the_canonical_digest_ignores_key_order_and_spacing_not_values() -> None:
+    a = json.loads(
+        '{"model":"m","tools":[{"type":"function","name":"f","parameters":{"a":1,"b":[true,null]}}]}'
+    )
+    b = json.loads(
+        '{ "tools" : [ {"parameters":{"b":[true, null],"a":1},"name":"f","type":"function"} ], "model":"m" }'
+    )
+    assert canonical_digest(a) == canonical_digest(b)
+    distinct = [1, 1.0, True, "1", [1], {"1": 1}, [[1]], ["a", "b"], {"a": "b"}, ["ab"], None, [], {}, ""]
+    assert len({canonical_digest(v) for v in distinct}) == len(distinct)
+    deep: list[object] = []
+    for _ in range(5000):  # no recursion limit (the intake caps depth at 128 anyway)
+        deep = [deep]
+    assert len(canonical_digest(deep)) == 32
 
 
 def test_entries_and_bytes_are_bounded_oldest_first() -> None:
@@ -235,12 +258,23 @@ def test_a_validation_400_is_answered_again_byte_for_byte(upstream: MockUpstream
     body = json.dumps({"model": "m", "input": "x", "temperature": "hot"}).encode()
     with gateway(upstream) as (url, _):
         first, second = codex_like(url, body, 2)
-        other = codex_like(url, body.replace(b", ", b",  "), 1)[0]  # another body: checked afresh
+        other = codex_like(url, body.replace(b'"hot"', b'"hotter"'), 1)[0]  # another request: checked afresh
     assert first.status_code == 400 and HIT not in first.headers
     assert (second.status_code, second.content, second.headers[HIT]) == (400, first.content, "hit")
     assert second.headers["x-should-retry"] == "false"
     assert other.status_code == 400 and HIT not in other.headers
     assert other.headers["x-request-id"] != first.headers["x-request-id"]
+
+
+def test_the_same_request_with_its_keys_in_another_order_is_the_same_request(upstream: MockUpstream) -> None:
+    """The Codex CLI serialises its maps in a new order on every retry: still one upstream call."""
+    upstream.push(Reply.json(response_obj([message_item("y" * 400_000)])))
+    first = b'{"model":"m","input":"x","temperature":0.5,"metadata":{"a":"1","b":"2"}}'
+    again = b'{"metadata":{"b":"2","a":"1"},"temperature":0.5, "input":"x","model":"m"}'
+    with gateway(upstream) as (url, _):
+        answers = codex_like(url, first, 1) + codex_like(url, again, 1)
+    assert [r.status_code for r in answers] == [502, 502] and len(upstream.requests) == 1
+    assert answers[1].headers[HIT] == "hit" and answers[1].content == answers[0].content
 
 
 @pytest.mark.parametrize(

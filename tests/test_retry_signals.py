@@ -141,3 +141,19 @@ def test_one_side_effecting_tool_among_safe_ones_makes_the_failure_final(upstrea
             )
     assert r.status_code == 502 and r.headers["x-should-retry"] == "false"
     assert sorted(probe.names()) == ["charge_card", "lookup"]
+
+
+# -- a client configured for Chat Completions -------------------------------------------------------
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_chat_completions_is_a_404_that_says_loopwarden_serves_the_responses_api(
+    upstream: MockUpstream, path: str
+) -> None:
+    with gateway(upstream) as (url, _):
+        r = httpx.post(f"{url}{path}", json={"model": "m", "messages": []}, timeout=30)
+        with pytest.raises(openai.NotFoundError) as info:
+            sdk(url).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
+    message = r.json()["error"]["message"]
+    assert "serves the OpenAI Responses API (POST /v1/responses), not " + path in message
+    assert 'wire_api = "responses"' in message and "use_responses_api=True" in message
+    assert "Responses API" in str(info.value) and upstream.requests == []

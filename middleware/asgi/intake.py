@@ -21,10 +21,12 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
 5. the model route (`ModelNotFound`), its charge model (the body is re-charged at its price) and
    its lower limit (413 if what is charged no longer fits).
 
-Between 3 and 4, once the whole body is read, the retry shield (`middleware.ops.shield`): the
-body's SHA-256 is computed while it is read, and a request identical to one that failed
-deterministically (same caller, limits and body) within the window raises `ShieldHit` with the
-remembered answer; ``shield_key`` is left for the guard to remember this request's failure.
+Between 3 and 4, once the whole body is read, and again once it is parsed, the retry shield
+(`middleware.ops.shield`): the body's SHA-256 is computed while it is read, and replaced by the
+canonical digest of the parsed request (key order does not count) once it parses; a request
+identical to one that failed deterministically (same caller, limits and body) within the window
+raises `ShieldHit` with the remembered answer; ``shield_key`` is left for the guard to remember
+this request's failure under.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from middleware.errors import (
 )
 from middleware.loop.context import RequestContext
 from middleware.ops.admission import DrainState, ProcessPool, RequestReservation
-from middleware.ops.shield import RetryShield, request_key
+from middleware.ops.shield import RetryShield, canonical_digest, request_key
 
 LIMIT_HEADERS = {
     b"loopwarden-max-retained-bytes": "max_retained_bytes",
@@ -168,7 +170,7 @@ class Intake:
                 "(--client-body-timeout); send the whole body promptly",
                 seconds=self.config.client_body_timeout,
             ) from None
-        self._check_shield(limits)
+        self._check_shield(limits, self._digest.digest())  # the bytes: until the body is parsed
         # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
         # the store doubles it (the persisted projection) is known only after parsing, so the
         # doubled charge replaces the single one then — exact for both, and sound throughout.
@@ -186,6 +188,7 @@ class Intake:
             ) from None
         if not isinstance(request, dict):
             raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
+        self._check_shield(limits, None if self.shield_key is None else canonical_digest(request))
         validate_request(request)
         route = self.config.router.match(request["model"])
         if route is None and self.config.router.configured:
@@ -221,14 +224,15 @@ class Intake:
         limits, self.lowered = effective_limits(self.config.limits, self.scope.get("headers", []))
         return limits
 
-    def _check_shield(self, limits: Limits) -> None:
-        """With the whole body read: set ``shield_key``, and raise `ShieldHit` when the shield
-        remembers a failure of this caller's identical request."""
+    def _check_shield(self, limits: Limits, digest: bytes | None) -> None:
+        """With the whole body read (`digest`: of its bytes) or parsed (of the parsed request,
+        `canonical_digest`): set ``shield_key``, and raise `ShieldHit` when the shield remembers
+        a failure of this caller's identical request. Nothing when the shield is off (or None)."""
         shield = self.config.shield
-        if shield is None or not shield.enabled:
+        if shield is None or not shield.enabled or digest is None:
             return
         self.shield_key = key = request_key(
-            self.caller, (limits.max_retained_bytes, limits.max_infer_iters), self._digest.digest()
+            self.caller, (limits.max_retained_bytes, limits.max_infer_iters), digest
         )
         hit = shield.lookup(key)
         if hit is not None:

@@ -7,9 +7,12 @@ table marks as shielded (`middleware.outcomes.shielded`: 400 validation, 413 led
 the parsed input, 508, budget 502s, and any failure after a gateway tool with side effects ran)
 for ``seconds`` under a key made of the caller's identity (the API-key hash, or ``addr:<host>``
 on an open gateway — `middleware.asgi.auth.Authenticator.caller`, the per-caller share's
-notion), the limits the request ran under and the SHA-256 of its body (hashed while it is read;
-no copy is kept). The same request again within the window gets the remembered status, headers
-and body at once — no upstream call, no tool run (DESIGN.md §5, last row).
+notion), the limits the request ran under and a digest of its body. The digest is
+`canonical_digest` of the parsed request — key order does not count: the Codex CLI serialises
+maps in a random order on every retry — or, for a body that failed before it was parsed, the
+SHA-256 of its bytes (hashed while they are read). Neither keeps a copy of the body. The same
+request again within the window gets the remembered status, headers and body at once — no
+upstream call, no tool run (DESIGN.md §5, last row).
 
 Per worker: each process has its own (with ``--workers N`` a client may reach each worker once).
 Memory is bounded by ``max_entries`` and ``max_bytes``: the oldest entries are evicted first, an
@@ -26,6 +29,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 from middleware.ops.admission import ProcessPool
 
@@ -63,10 +67,54 @@ def entry_cost(headers: tuple[tuple[bytes, bytes], ...], body: bytes) -> int:
     return len(body) + sum(len(k) + len(v) for k, v in headers) + ENTRY_OVERHEAD
 
 
+def canonical_digest(obj: Any) -> bytes:
+    """SHA-256 (32 bytes) of a parsed JSON value in a canonical form: object keys sorted, every
+    value tagged with its type (``1`` and ``1.0`` and ``true`` differ), strings by their UTF-8
+    bytes and length. Equal for any two serialisations of the same JSON value (key order,
+    spacing, escapes). Iterative (no recursion limit); streams into the hash, building no copy."""
+    h = hashlib.sha256()
+    stack: list[Any] = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Mark):
+            h.update(item.token)
+        elif isinstance(item, str):
+            data = item.encode("utf-8", "surrogatepass")
+            h.update(b"s%d:" % len(data))
+            h.update(data)
+        elif item is None or isinstance(item, bool):
+            h.update(b"n" if item is None else (b"t" if item else b"f"))
+        elif isinstance(item, int):
+            h.update(b"i%d;" % item)
+        elif isinstance(item, float):
+            h.update(b"d" + repr(item).encode() + b";")
+        elif isinstance(item, dict):
+            h.update(b"{%d:" % len(item))
+            stack.append(_CLOSE_OBJECT)
+            for key in sorted(item, reverse=True):  # popped in sorted order
+                stack.append(item[key])
+                stack.append(key)
+        else:  # a list
+            h.update(b"[%d:" % len(item))
+            stack.append(_CLOSE_ARRAY)
+            stack.extend(reversed(item))
+    return h.digest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Mark:
+    token: bytes
+
+
+_CLOSE_OBJECT = _Mark(b"}")
+_CLOSE_ARRAY = _Mark(b"]")
+
+
 def request_key(caller: str, limits: tuple[int, ...], body_digest: bytes) -> bytes:
     """The shield key of a request: SHA-256 over the caller's identity, the effective limits
     (``max_retained_bytes``, ``max_infer_iters``: a request that lowered them differently may end
-    differently) and the SHA-256 ``body_digest`` of its raw body (32 bytes)."""
+    differently) and the ``body_digest`` (32 bytes: `canonical_digest` of the parsed body, or the SHA-256 of its
+    bytes when it was not parsed)."""
     h = hashlib.sha256(caller.encode("utf-8", "surrogateescape"))
     h.update(b"\0" + ",".join(map(str, limits)).encode() + b"\0")
     h.update(body_digest)
