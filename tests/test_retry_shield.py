@@ -10,6 +10,7 @@ upstream sees one call.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -63,12 +64,14 @@ def test_an_answer_is_remembered_for_the_window_then_forgotten() -> None:
     clock = Clock()
     shield = RetryShield(seconds=30, clock=clock)
     key = request_key("addr:1.2.3.4", (B, 10), b"\0" * 32)
-    assert shield.remember(key, answer(b"{}", clock.now))
+    assert shield.remember(key, dataclasses.replace(answer(b"{}", clock.now), caller="addr:1.2.3.4"))
     clock.now += 29.9
     hit = shield.lookup(key)
     assert hit is not None and hit.body == b"{}"
+    assert shield.knows("addr:1.2.3.4") and not shield.knows("addr:5.6.7.8")
     clock.now += 0.2  # 30.1 s after the failure
     assert shield.lookup(key) is None and len(shield) == 0 and shield.held == 0
+    assert not shield.knows("addr:1.2.3.4")
 
 
 def test_the_key_is_the_caller_the_limits_and_the_body() -> None:
@@ -275,6 +278,32 @@ def test_the_same_request_with_its_keys_in_another_order_is_the_same_request(ups
         answers = codex_like(url, first, 1) + codex_like(url, again, 1)
     assert [r.status_code for r in answers] == [502, 502] and len(upstream.requests) == 1
     assert answers[1].headers[HIT] == "hit" and answers[1].content == answers[0].content
+
+
+def test_the_parsed_digest_is_computed_only_for_a_caller_with_a_failure(
+    upstream: MockUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from middleware.asgi import intake
+
+    walks: list[int] = []
+    real = intake.canonical_digest
+
+    def counting(obj: object) -> bytes:
+        walks.append(1)
+        return real(obj)
+
+    monkeypatch.setattr(intake, "canonical_digest", counting)
+    upstream.push(*(Reply.json(response_obj([message_item("ok")])) for _ in range(3)))
+    with gateway(upstream) as (url, _):
+        for i in range(3):  # successes: a SHA-256 of the bytes, no walk of the parsed request
+            assert (
+                codex_like(url, json.dumps({"model": "m", "input": str(i)}).encode(), 1)[0].status_code == 200
+            )
+        assert walks == []
+        bad = json.dumps({"model": "m", "input": "x", "temperature": "hot"}).encode()
+        first, second = codex_like(url, bad, 2)
+    assert (first.status_code, HIT in first.headers, HIT in second.headers) == (400, False, True)
+    assert len(walks) == 2  # once to remember the failure, once to find the retry
 
 
 @pytest.mark.parametrize(

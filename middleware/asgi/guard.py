@@ -259,14 +259,24 @@ class _Guard:
     def _remember(self, outcome: outcomes.Outcome) -> None:
         """Have the retry shield remember the answer to `outcome` when the table shields it and
         the whole body was read (best effort: never a second failure)."""
-        shield, key = self.mw.shield, self.intake.shield_key
-        if shield is None or key is None or not outcomes.shielded(outcome):
+        shield = self.mw.shield
+        if shield is None or not outcomes.shielded(outcome):
             return
         try:
+            key = self.intake.shield_key()
+            if key is None:
+                return
             snapshot = self.client.current_snapshot() if outcome.committed else None
             status, headers, body = outcomes.shield_answer(outcome, snapshot, retry_after=self.mw.retry_after)
             answer = Remembered(
-                status, headers, body, outcome.row, outcome.code, REQUEST_ID.get(), shield.clock()
+                status,
+                headers,
+                body,
+                outcome.row,
+                outcome.code,
+                REQUEST_ID.get(),
+                shield.clock(),
+                caller=self.intake.caller,
             )
             shield.remember(key, answer)
         except Exception:

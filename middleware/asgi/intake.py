@@ -22,11 +22,11 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
    its lower limit (413 if what is charged no longer fits).
 
 Between 3 and 4, once the whole body is read, and again once it is parsed, the retry shield
-(`middleware.ops.shield`): the body's SHA-256 is computed while it is read, and replaced by the
-canonical digest of the parsed request (key order does not count) once it parses; a request
-identical to one that failed deterministically (same caller, limits and body) within the window
-raises `ShieldHit` with the remembered answer; ``shield_key`` is left for the guard to remember
-this request's failure under.
+(`middleware.ops.shield`): a request identical to one that failed deterministically (same
+caller, limits and body) within the window raises `ShieldHit` with the remembered answer. The
+body's SHA-256 is computed while it is read (the key until the body parses); the canonical digest
+of the parsed request (key order does not count) is computed only for a caller the shield holds
+a failure of, or when the guard remembers a failure (`Intake.shield_key`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 from starlette.types import Receive, Scope
 
@@ -125,8 +126,8 @@ class Intake:
     What it acquired stays on the object for the guard to settle whatever happens:
     ``reservation`` (the pool's), ``ledger`` (the request's), ``model_label`` (the metric label),
     ``owner`` (the caller's hash), ``caller`` (whose pool share it counts against), ``lowered``
-    (the limits this request lowered with its own headers) and ``shield_key`` (the retry-shield
-    key, once the whole body was read with the shield on; else None).
+    (the limits this request lowered with its own headers); `shield_key` is the request's
+    retry-shield key.
     """
 
     def __init__(self, scope: Scope, receive: Receive, config: IntakeConfig) -> None:
@@ -139,8 +140,11 @@ class Intake:
         self.ledger: Ledger | None = None
         self.model_label = "other"
         self.lowered: set[str] = set()
-        self.shield_key: bytes | None = None
         self._digest = hashlib.sha256()
+        self._raw_key: bytes | None = None  # set once the whole body is read (shield on)
+        self._parsed: dict[str, Any] | None = None
+        self._parsed_key: bytes | None = None
+        self._limits: tuple[int, int] = (0, 0)
 
     async def admit(self, client: ClientStream) -> RequestContext:
         """Run the checks; the admitted request, its ledger charged with the body."""
@@ -170,7 +174,7 @@ class Intake:
                 "(--client-body-timeout); send the whole body promptly",
                 seconds=self.config.client_body_timeout,
             ) from None
-        self._check_shield(limits, self._digest.digest())  # the bytes: until the body is parsed
+        self._shield_read(limits)
         # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
         # the store doubles it (the persisted projection) is known only after parsing, so the
         # doubled charge replaces the single one then — exact for both, and sound throughout.
@@ -188,7 +192,7 @@ class Intake:
             ) from None
         if not isinstance(request, dict):
             raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
-        self._check_shield(limits, None if self.shield_key is None else canonical_digest(request))
+        self._shield_parsed(request)
         validate_request(request)
         route = self.config.router.match(request["model"])
         if route is None and self.config.router.configured:
@@ -224,16 +228,37 @@ class Intake:
         limits, self.lowered = effective_limits(self.config.limits, self.scope.get("headers", []))
         return limits
 
-    def _check_shield(self, limits: Limits, digest: bytes | None) -> None:
-        """With the whole body read (`digest`: of its bytes) or parsed (of the parsed request,
-        `canonical_digest`): set ``shield_key``, and raise `ShieldHit` when the shield remembers
-        a failure of this caller's identical request. Nothing when the shield is off (or None)."""
+    def shield_key(self) -> bytes | None:
+        """The retry-shield key of this request (`middleware.ops.shield.request_key`): of the
+        parsed request (`canonical_digest`, computed once, here if not yet) when it parsed, else of
+        the body's bytes; None before the whole body was read or with the shield off."""
+        if self._parsed is not None and self._parsed_key is None:
+            self._parsed_key = request_key(self.caller, self._limits, canonical_digest(self._parsed))
+        return self._parsed_key or self._raw_key
+
+    def _shield_read(self, limits: Limits) -> None:
+        """The whole body is read: its key from its bytes; `ShieldHit` when the shield has it."""
         shield = self.config.shield
-        if shield is None or not shield.enabled or digest is None:
+        if shield is None or not shield.enabled:
             return
-        self.shield_key = key = request_key(
-            self.caller, (limits.max_retained_bytes, limits.max_infer_iters), digest
-        )
+        self._limits = (limits.max_retained_bytes, limits.max_infer_iters)
+        self._raw_key = request_key(self.caller, self._limits, self._digest.digest())
+        self._raise_hit(shield, self._raw_key)
+
+    def _shield_parsed(self, request: dict[str, Any]) -> None:
+        """The body parsed: `ShieldHit` when the shield has the parsed request, looked up only for
+        a caller the shield holds a failure of (the digest walks the whole request)."""
+        shield = self.config.shield
+        if shield is None or self._raw_key is None:
+            return
+        self._parsed = request
+        if shield.knows(self.caller):
+            key = self.shield_key()
+            assert key is not None
+            self._raise_hit(shield, key)
+
+    @staticmethod
+    def _raise_hit(shield: RetryShield, key: bytes) -> None:
         hit = shield.lookup(key)
         if hit is not None:
             raise ShieldHit(hit, age=shield.clock() - hit.at)

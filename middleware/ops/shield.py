@@ -45,8 +45,8 @@ class Remembered:
     """One remembered answer: HTTP ``status``, ``headers`` (lower-case name, value bytes) and
     ``body`` bytes exactly as they were sent (a committed stream's answer is the replay:
     ``response.created`` then the same ``error`` / ``response.failed`` frames), the outcome
-    ``row`` and ``code`` it answered, the ``request_id`` of the request that failed, and ``at``
-    (the shield's clock, seconds) when it was remembered."""
+    ``row`` and ``code`` it answered, the ``request_id`` of the request that failed, ``at``
+    (the shield's clock, seconds) when it was remembered, and the ``caller`` it belongs to."""
 
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
@@ -55,6 +55,7 @@ class Remembered:
     code: str
     request_id: str
     at: float
+    caller: str = ""
 
     @property
     def cost(self) -> int:
@@ -151,6 +152,7 @@ class RetryShield:
         self.clock = clock
         self.held = 0  # budget bytes of the entries now
         self._entries: collections.OrderedDict[bytes, Remembered] = collections.OrderedDict()
+        self._callers: collections.Counter[str] = collections.Counter()  # entries per caller
 
     def __repr__(self) -> str:
         return (
@@ -170,6 +172,12 @@ class RetryShield:
     def max_entry_bytes(self) -> int:
         """The largest entry remembered (budget bytes): an eighth of ``max_bytes``."""
         return self.max_bytes // 8
+
+    def knows(self, caller: str) -> bool:
+        """Whether the shield holds a failure of `caller` within the window (cheap: a request
+        from any other caller need not compute its digest of the parsed body)."""
+        self._expire()
+        return self._callers[caller] > 0
 
     def lookup(self, key: bytes) -> Remembered | None:
         """The answer remembered under `key` within the window, or None (expired ones are dropped)."""
@@ -191,6 +199,7 @@ class RetryShield:
         if self.pool is not None and self.pool.draw(cost, caller=POOL_CALLER) is not None:
             return False
         self._entries[key] = answer
+        self._callers[answer.caller] += 1
         self.held += cost
         return True
 
@@ -212,5 +221,8 @@ class RetryShield:
         if entry is None:
             return
         self.held -= entry.cost
+        self._callers[entry.caller] -= 1
+        if self._callers[entry.caller] <= 0:
+            del self._callers[entry.caller]
         if self.pool is not None:
             self.pool.give(entry.cost, caller=POOL_CALLER)
