@@ -210,6 +210,11 @@ _QUERY_LIST: list[Query] = [
     Query("targets_total", 'count(up{job=~"$job"})', "targets"),
     Query("inflight_requests", f"sum by (instance) ({_sel('loopwarden_inflight_requests')})", "{{instance}}"),
     Query("client_disconnects", f"sum({_rate('loopwarden_client_disconnects_total')})", "client disconnects"),
+    Query(
+        "retry_shield_hits",
+        f"sum({_rate('loopwarden_retry_shield_hits_total')})",
+        "retry shield hits",
+    ),
     # cap hits and failures
     Query(
         "cap_hits_by_limit_outcome",
