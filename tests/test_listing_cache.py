@@ -593,9 +593,7 @@ def test_a_listing_over_the_requests_budget_is_a_502_and_is_not_cached(
 ) -> None:
     url, recorder = big_http
     body = {"model": "m", "input": "hi", "tools": [mcp_tool("big")], "stream": stream}
-    # the retry shield off: it would answer the identical second request without listing again
-    shield_off = {"retry_shield_seconds": 0}
-    with MockUpstream() as upstream, gateway(upstream, mcp_server=(f"big={url}",), **shield_off) as (base, _):
+    with MockUpstream() as upstream, gateway(upstream, mcp_server=(f"big={url}",)) as (base, _):
         before = recorder.count("tools/list")
         answers = [httpx.post(base + "/v1/responses", json=body, timeout=30) for _ in range(2)]
         assert upstream.requests == []  # refused before anything went upstream

@@ -501,13 +501,7 @@ def test_a_failure_after_a_gateway_tool_ran_is_not_retried(upstream: MockUpstrea
     with serve_asgi(build_server().streamable_http_app()) as mcp:
         upstream.push(fc_reply(FC("call_1", "lookup", "{}")), failing)
         tools = [{"type": "mcp", "server_label": "tools", "require_approval": "never"}]
-        # the retry shield off: this test is about x-should-retry (the shield would answer the
-        # SDK's identical request without running the tool; tests/test_retry_shield.py)
-        shield_off = {"retry_shield_seconds": 0}
-        with gateway(upstream, mcp_server=(f"tools={mcp}/mcp",), max_retained_bytes=4 * B, **shield_off) as (
-            url,
-            _,
-        ):
+        with gateway(upstream, mcp_server=(f"tools={mcp}/mcp",), max_retained_bytes=4 * B) as (url, _):
             r = post(url, {"model": "m", "input": "x", "tools": tools})
             upstream.push(fc_reply(FC("call_2", "lookup", "{}")), failing, failing, failing)
             with pytest.raises(openai.APIStatusError):
