@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint types unit bench clean prometheus prometheus-install postgres
+.PHONY: run test lint types unit bench clean prometheus prometheus-install postgres test-clients
 
 $(STAMP): pyproject.toml
 	@echo "bootstrapping $(VENV) (first run installs the project and its test tools)..."
@@ -38,6 +38,11 @@ unit: $(STAMP) prometheus-install postgres
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test: lint types unit
+
+# Opt-in, not part of `make test`: real clients installed with npm (the Codex CLI), end to end.
+test-clients: $(STAMP)
+	@command -v codex >/dev/null || npm install -g @openai/codex
+	LOOPWARDEN_CLIENT_TESTS=1 $(BIN)/python -m pytest -q -m clients tests/test_codex.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ledger.py

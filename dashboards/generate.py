@@ -386,6 +386,16 @@ def _operations() -> JSON:
             width=6,
             height=6,
         ),
+        Panel(
+            "Retry shield hits",
+            "Requests per second answered by the retry shield: identical to one of the same caller that failed"
+            " deterministically within --retry-shield-seconds, answered again without an upstream call (a"
+            " client retrying what it should not).",
+            ["retry_shield_hits"],
+            unit="reqps",
+            width=6,
+            height=6,
+        ),
         Row("Cap hits", "Requests stopped or cut by a limit, and what the client got."),
         Panel(
             "Cap hits by limit and outcome",

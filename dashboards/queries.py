@@ -244,6 +244,11 @@ _QUERY_LIST: list[Query] = [
         f"sum({_rate('loopwarden_dropped_writes_total')})",
         "dropped writes (closing connection)",
     ),
+    Query(
+        "retry_shield_hits",
+        f"sum({_rate('loopwarden_retry_shield_hits_total')})",
+        "retry shield hits",
+    ),
     # cap hits and failures
     Query(
         "cap_hits_by_limit_outcome",

@@ -53,6 +53,7 @@ from middleware.ops.admission import (
 )
 from middleware.ops.redact import register_secret
 from middleware.ops.request_id import RequestIdMiddleware
+from middleware.ops.shield import RetryShield
 from middleware.state import GatewayState
 from middleware.store.reads import StoreReads
 from middleware.store.routes import store_routes
@@ -89,6 +90,20 @@ async def route_error_response(request: Request, exc: Exception) -> Response:
             MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow)
         )
     return failure_response(UnknownRoute(f"no route {request.url.path}"))
+
+
+#: The message of a Chat Completions (or legacy Completions) request: what the gateway serves instead.
+CHAT_COMPLETIONS_MESSAGE = (
+    "loopwarden serves the OpenAI Responses API (POST /v1/responses), not {path}: configure the "
+    'client for the Responses API (openai SDK: client.responses.create; Codex: wire_api = "responses"; '
+    "LangChain: use_responses_api=True)"
+)
+
+
+async def chat_completions_not_served(request: Request) -> Response:
+    """``/v1/chat/completions`` and ``/v1/completions``: 404 ``unknown_url`` for every method, whose
+    message says that the gateway serves the Responses API and how to point a client at it."""
+    return failure_response(UnknownRoute(CHAT_COMPLETIONS_MESSAGE.format(path=request.url.path)))
 
 
 async def passthrough_models(upstream: UpstreamClient) -> Response:
@@ -286,7 +301,15 @@ def create_app(
             **body,
         )
 
-    responses = guarded(ResponsesApp(state))
+    responses = guarded(
+        ResponsesApp(state),
+        shield=RetryShield(
+            seconds=settings.retry_shield_seconds,
+            max_entries=settings.retry_shield_max_entries,
+            max_bytes=settings.retry_shield_max_bytes,
+            pool=pool,
+        ),
+    )
     compact = guarded(CompactApp(state), validate=validate_compact_request, create=False)  # issue 24
 
     websocket = WebSocketResponses(
@@ -323,6 +346,10 @@ def create_app(
         Route("/v1/responses", responses, methods=["POST"]),
         WebSocketRoute("/v1/responses", websocket),  # WebSocket mode (middleware.asgi.websocket)
         Route("/v1/responses/compact", compact, methods=["POST"]),
+        *(
+            Route(path, chat_completions_not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+            for path in ("/v1/chat/completions", "/v1/completions")
+        ),
         *store_routes(
             get_store,
             owner_of,

@@ -118,6 +118,22 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--retry-after", type=float, help="Retry-After seconds on a 503 overload refusal (default 1)"
     )
     p.add_argument(
+        "--retry-shield-seconds",
+        type=float,
+        help="seconds a deterministic failure is answered again at once to the same caller's identical "
+        "request, without an upstream call (per worker; default 30; 0: off)",
+    )
+    p.add_argument(
+        "--retry-shield-max-entries",
+        type=int,
+        help="failures the retry shield remembers per worker (default 4096)",
+    )
+    p.add_argument(
+        "--retry-shield-max-bytes",
+        type=int,
+        help="budget bytes the retry shield may hold per worker, drawn from its pool (default 16777216)",
+    )
+    p.add_argument(
         "--memory-pressure-threshold",
         type=float,
         help="shed new requests above this used/allowed memory ratio (default 0.9)",

@@ -44,6 +44,8 @@ class Settings:
     file-descriptor limit) and ``max_header_bytes`` are the connection bounds (`middleware.ops.connections`).
     ``websocket_max_lifetime`` (seconds; the spec's 60 minutes) and ``websocket_idle_timeout``
     (seconds without a message between turns) bound a WebSocket connection (`middleware.asgi.websocket`).
+    ``retry_shield_seconds`` (0: off), ``retry_shield_max_entries`` and ``retry_shield_max_bytes``
+    configure the per-worker retry shield (`middleware.ops.shield`).
     """
 
     host: str = "127.0.0.1"
@@ -77,6 +79,9 @@ class Settings:
     max_concurrent_requests: int = 0
     max_inflight_share_per_caller: float = 0.5
     retry_after: float = 1.0
+    retry_shield_seconds: float = 30.0
+    retry_shield_max_entries: int = 4096
+    retry_shield_max_bytes: int = 16_777_216
     memory_pressure_threshold: float = 0.9
     request_deadline: float = 1800.0
     drain_timeout: float = 30.0
@@ -147,6 +152,18 @@ class Settings:
             )
         if not 1 <= self.tool_concurrency <= 100:
             raise SettingsError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
+        if not 0 <= self.retry_shield_seconds <= 3600:
+            raise SettingsError(
+                f"retry_shield_seconds must be in 0..=3600 (0: no retry shield), got {self.retry_shield_seconds}"
+            )
+        if not 0 <= self.retry_shield_max_entries <= 1_000_000:
+            raise SettingsError(
+                f"retry_shield_max_entries must be in 0..=1000000, got {self.retry_shield_max_entries}"
+            )
+        if not 0 <= self.retry_shield_max_bytes <= 1_073_741_824:
+            raise SettingsError(
+                f"retry_shield_max_bytes must be in 0..=1073741824, got {self.retry_shield_max_bytes}"
+            )
         if not 1 <= self.tool_max_result_bytes <= 268_435_456:
             raise SettingsError(
                 f"tool_max_result_bytes must be in 1..=268435456, got {self.tool_max_result_bytes}"

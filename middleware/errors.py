@@ -32,6 +32,7 @@ Failure                          base: ``message``, ``param``, ``code`` (rows th
 ├── WebSocketLifetimeReached     a WebSocket connection passed --websocket-max-lifetime (400 websocket_connection_limit_reached)
 ├── WebSocketIdle                no message on a WebSocket within --websocket-idle-timeout (408 websocket_idle_timeout)
 ├── WebSocketMessageTooLarge     a WebSocket message over the body clamp (413 request_too_large)
+├── ShieldHit                    the retry shield answers a repeated failed request (its original status)
 └── UpstreamError                (middleware.upstream.errors) the model server failed
 ```
 
@@ -41,7 +42,10 @@ by their ``phase`` (the initial payload and restored history are 413, anything l
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from middleware.ops.shield import Remembered
 
 
 class Failure(Exception):
@@ -253,3 +257,22 @@ class WebSocketMessageTooLarge(Failure):
     ``size`` and ``clamp``, bytes); then the connection closes (1009)."""
 
     row = "websocket_message_too_large"
+
+
+class ShieldHit(Failure):
+    """The same caller sent a request identical to one that failed deterministically within
+    ``--retry-shield-seconds`` (`middleware.ops.shield.RetryShield`): ``answer`` is the remembered
+    answer, sent again as it was. Facts: ``original_row``, ``original_request_id``, ``age``
+    (seconds since the failure)."""
+
+    row = "retry_shield"
+
+    def __init__(self, answer: Remembered, *, age: float) -> None:
+        super().__init__(
+            f"an identical request from this caller failed {age:.1f} s ago; the same answer is sent again",
+            code=answer.code,
+            original_row=answer.row,
+            original_request_id=answer.request_id,
+            age=round(age, 3),
+        )
+        self.answer = answer

@@ -16,8 +16,11 @@ a bug) — and returns an `Outcome`: the HTTP status, envelope ``type`` and ``co
   ``--client-write-timeout`` (§5 "client stops reading"): nothing is answered then, the
   connection is closed, and the request is stored `CLIENT_GONE`;
 * `record(outcome)` counts the metrics (§8) and writes the one structured log line of the failure
-  (request id, row, status, code, limit label, the failure's numbers, the caller's hash; never
-  user content).
+  (request id, row, status, code, limit label, whether a retry can help, whether a gateway tool
+  with side effects ran, the failure's numbers, the caller's hash; never user content);
+* `shielded(outcome)` says whether the retry shield (`middleware.ops.shield`) remembers it, and
+  `shield_answer(outcome, snapshot)` is what it remembers: the envelope answer before commit, or
+  for a committed stream ``response.created`` and the same ``error`` / ``response.failed`` frames.
 
 Everything that answers a failure — the guard, the store routes, the app's handlers, 404/405 —
 goes through these functions; raise sites never pick a status.
@@ -32,7 +35,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from budget import BudgetExceeded, PoolExhausted
-from middleware.errors import CallerShareExhausted, Failure, MethodNotAllowed, ShuttingDown
+from middleware.errors import CallerShareExhausted, Failure, MethodNotAllowed, ShieldHit, ShuttingDown
 from middleware.ops import metrics
 from middleware.ops.request_id import REQUEST_ID
 from middleware.store.backends import StoreUnavailable
@@ -46,7 +49,16 @@ INITIAL_PHASES: Final = frozenset({"input", "history", "limit"})
 PASSED_STATUSES: Final = frozenset({400, 404, 409, 422, 429})
 #: Upstream headers a passed-through upstream error keeps (rate limits and when to retry).
 PASSED_HEADER_PREFIXES: Final = ("x-ratelimit-",)
-PASSED_HEADERS: Final = frozenset({"retry-after"})
+PASSED_HEADERS: Final = frozenset({"retry-after", "retry-after-ms"})
+#: The header of an answer the retry shield sent again (DESIGN.md §5, last row).
+SHIELD_HEADER: Final = (b"loopwarden-retry-shield", b"hit")
+#: The head of an SSE answer.
+SSE_HEADERS: Final = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"))
+#: The sentence a failure after a gateway tool with side effects ran ends with.
+AFTER_TOOLS_NOTE: Final = (
+    "A gateway tool that may have side effects already ran for this request, so it is not retried "
+    "(x-should-retry: false): check what the tool did before sending the request again."
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,6 +73,9 @@ class Row:
     row can also happen once a stream is committed (then it is frames, not a status).
     ``upstream``: the row is an upstream failure (counted in ``loopwarden_upstream_errors_total``
     by the failure's ``kind``). ``named``: the codes a failure of a ``code``-less row may name.
+    ``shield``: the retry shield remembers the answer when the whole body was read (the same
+    request would meet it again; any row is shielded once a gateway tool with side effects ran).
+    ``replay``: the row answers with a remembered answer (the retry shield's hit).
     """
 
     situation: str
@@ -73,6 +88,8 @@ class Row:
     after_commit: bool = True
     upstream: bool = False
     named: tuple[str, ...] = ()
+    shield: bool = False
+    replay: bool = False
 
 
 #: The codes an `InvalidRequest` names (the check that failed), for the ``invalid_request`` row.
@@ -115,6 +132,7 @@ OUTCOMES: Final[Mapping[str, Row]] = {
     "budget_initial": Row(
         "ledger overflow on the initial payload or restored history",
         413, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True, after_commit=False,
+        shield=True,
     ),
     "store_read_too_large": Row(
         "a stored response or item larger than a store read's ledger (GET of a response, input_items, conversation items)",
@@ -122,15 +140,15 @@ OUTCOMES: Final[Mapping[str, Row]] = {
     ),
     "budget_later": Row(
         "ledger overflow later (upstream output, tool result, persistence)",
-        502, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True,
+        502, "max_retained_bytes_exceeded", cap="max_retained_bytes", deterministic=True, shield=True,
     ),
     "upstream_body_too_large": Row(
         "buffered upstream Content-Length over its clamp",
-        502, "upstream_response_too_large", cap="upstream_body", deterministic=True, upstream=True,
+        502, "upstream_response_too_large", cap="upstream_body", deterministic=True, upstream=True, shield=True,
     ),
     "max_infer_iters": Row(
         "model still calls gateway tools after max_infer_iters inference calls",
-        508, "max_infer_iters_exceeded", cap="max_infer_iters", deterministic=True,
+        508, "max_infer_iters_exceeded", cap="max_infer_iters", deterministic=True, shield=True,
     ),
     "upstream_timeout": Row(
         "upstream timeout (connect / first byte / idle read)", 504, "upstream_timeout", upstream=True
@@ -162,7 +180,7 @@ OUTCOMES: Final[Mapping[str, Row]] = {
     "invalid_request": Row(
         "malformed client JSON, duplicate keys, depth over the cap, invalid Unicode, out-of-range numbers, "
         "dangling or unknown call_id, MCP server_url outside the allowlist, unknown server_label, clashing tool names",
-        400, None, deterministic=True, after_commit=False, named=CLIENT_CODES,
+        400, None, deterministic=True, after_commit=False, named=CLIENT_CODES, shield=True,
     ),
     "invalid_header": Row(
         "limit-lowering header out of range", 400, "invalid_header", deterministic=True, after_commit=False
@@ -202,7 +220,8 @@ OUTCOMES: Final[Mapping[str, Row]] = {
         502, "process_budget_exceeded", cap="caller_share",
     ),
     "model_not_found": Row(
-        "unknown model (when models are configured)", 404, "model_not_found", deterministic=True, after_commit=False
+        "unknown model (when models are configured)", 404, "model_not_found", deterministic=True, after_commit=False,
+        shield=True,
     ),
     "server_shutting_down": Row("shutting down, drain timeout passed", 503, "server_shutting_down"),
     "server_shutting_down_refused": Row(
@@ -237,6 +256,10 @@ OUTCOMES: Final[Mapping[str, Row]] = {
         413, "request_too_large", cap="websocket_message_size", deterministic=True, after_commit=False,
     ),
     "internal": Row("a defect of the gateway (never caused by input)", 500, "internal_error", deterministic=True),
+    "retry_shield": Row(
+        "identical request (same caller, limits and body) within --retry-shield-seconds after a shielded failure",
+        0, None, deterministic=True, after_commit=False, replay=True,
+    ),
 }  # fmt: skip
 
 
@@ -322,8 +345,10 @@ def resolve(
     """The `Outcome` of `exc` (any exception), before or after commit.
 
     ``note``: a sentence appended to the message (e.g. that the request lowered the limit itself).
-    ``after_tools``: a gateway tool already ran for this request, so a retry would run it again:
-    the failure is deterministic whatever its row (DESIGN.md §5).
+    ``after_tools``: a gateway tool with side effects (not annotated ``readOnlyHint`` or
+    ``idempotentHint``) already ran for this request, so a retry would run it again: the failure
+    is deterministic whatever its row (DESIGN.md §5), and its message says so (`AFTER_TOOLS_NOTE`).
+    A `ShieldHit` takes the status and code of the answer it sends again.
     """
     key = row_of(exc)
     row = OUTCOMES[key]
@@ -356,8 +381,12 @@ def resolve(
         headers = [header for header in passed if header is not None]
     if isinstance(exc, MethodNotAllowed):
         headers.append((b"allow", exc.allow.encode("ascii", "replace")))
+    if isinstance(exc, ShieldHit):
+        status = exc.answer.status
     if note:
         message = f"{message} {note}"
+    if after_tools and not row.replay:
+        message = f"{message} {AFTER_TOOLS_NOTE}"
     return Outcome(
         row=key,
         status=status,
@@ -401,6 +430,9 @@ def render_json(
     """The answer before commit: ``(status, headers, body)``, the body the envelope as compact
     JSON. ``retry_after``: seconds for a ``Retry-After`` header, on the rows that send one."""
     row = OUTCOMES[outcome.row]
+    if row.replay and isinstance(outcome.error, ShieldHit):
+        answer = outcome.error.answer
+        return answer.status, [*answer.headers, SHIELD_HEADER], answer.body
     body = json.dumps(envelope(outcome), separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if not retryable(outcome):
@@ -411,6 +443,38 @@ def render_json(
         headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
     headers.extend(outcome.headers)
     return outcome.status, headers, body
+
+
+def shielded(outcome: Outcome) -> bool:
+    """Whether the retry shield remembers `outcome` (its row's ``shield``, or any row once a
+    gateway tool with side effects ran; never a shield hit itself). The caller checks that the
+    whole body was read."""
+    row = OUTCOMES[outcome.row]
+    return not row.replay and (row.shield or outcome.after_tools)
+
+
+def shield_answer(
+    outcome: Outcome, snapshot: Mapping[str, Any] | None, *, retry_after: float = 1.0
+) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
+    """What the retry shield sends again for `outcome`: ``(status, headers, body)``.
+
+    Before commit, the envelope answer (`render_json`). After commit (a stream), a 200 SSE body:
+    ``response.created`` with `snapshot` (the response so far) as it began — ``in_progress``, no
+    output, no error — then the same ``error`` and ``response.failed`` frames (`render_stream`,
+    numbered 1 and 2) and ``data: [DONE]``.
+    """
+    if not outcome.committed:
+        status, headers, body = render_json(outcome, retry_after=retry_after)
+        return status, tuple(headers), body
+    created = {
+        "type": "response.created",
+        "sequence_number": 0,
+        "response": {**(snapshot or {}), "status": "in_progress", "output": [], "error": None},
+    }
+    body = (
+        b"event: response.created\ndata: " + _dumps(created) + b"\n\n" + render_stream(outcome, 1, snapshot)
+    )
+    return 200, SSE_HEADERS, body
 
 
 def error_object(outcome: Outcome) -> dict[str, Any]:
@@ -511,6 +575,8 @@ def record(outcome: Outcome, *, owner: str = "", limit: int | None = None) -> No
     force for the row (bytes or calls), logged with the failure's numbers.
     """
     row = OUTCOMES[outcome.row]
+    if row.replay:
+        metrics.RETRY_SHIELD_HITS.inc()
     if outcome.cap is not None:
         metrics.cap_hit(outcome.cap, outcome.cap_outcome)
     if outcome.committed:
@@ -531,12 +597,14 @@ def record(outcome: Outcome, *, owner: str = "", limit: int | None = None) -> No
     level = logging.ERROR if outcome.row == "internal" else logging.WARNING
     log.log(
         level,
-        "outcome row=%s status=%s code=%s committed=%s cap=%s caller=%s%s",
+        "outcome row=%s status=%s code=%s committed=%s cap=%s retry=%s side_effects=%s caller=%s%s",
         outcome.row,
         outcome.status,
         outcome.code,
         outcome.committed,
         outcome.cap or "-",
+        "yes" if retryable(outcome) else "no",
+        outcome.after_tools,
         owner[:12] or "-",
         f" {line}" if line else "",
         exc_info=error if outcome.row == "internal" and error is not None else None,
@@ -552,6 +620,8 @@ def markdown_table() -> str:
     ]
     for key, row in OUTCOMES.items():
         status = "upstream's own" if row.status == 0 else str(row.status)
+        if row.replay:
+            status = "the original's (same body and headers, `loopwarden-retry-shield: hit`)"
         extras = [
             name
             for name, on in (("`Connection: close`", row.close), ("`Retry-After`", row.retry_after))
@@ -561,6 +631,8 @@ def markdown_table() -> str:
         after = "`error` + `response.failed`" if row.after_commit else "—"
         if row.code:
             code = f"`{row.code}`"
+        elif row.replay:
+            code = "the original's"
         elif row.upstream:
             code = f"the upstream's, else `{UPSTREAM_DEFAULT_CODE}`"
         else:
@@ -571,6 +643,8 @@ def markdown_table() -> str:
             if row.deterministic
             else ("409/429 only" if key == "upstream_4xx" else "yes")
         )
+        if row.shield:
+            retry += "; shielded"
         lines.append(f"| {row.situation} | {before} | {after} | {code} | {cap} | {retry} |")
     return "\n".join(lines) + "\n"
 

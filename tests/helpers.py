@@ -59,8 +59,12 @@ def gateway(
 ) -> Iterator[tuple[str, CountingApp]]:
     """The gateway (wrapped in `CountingApp`) on a real uvicorn; yields (base URL, counter).
 
-    ``http``: uvicorn's HTTP stack (``"h11"`` or ``"httptools"``; None: uvicorn's default)."""
+    ``http``: uvicorn's HTTP stack (``"h11"`` or ``"httptools"``; None: uvicorn's default).
+    The retry shield is off unless the test sets ``retry_shield_seconds``: property tests and
+    module-scoped gateways send identical failing requests on purpose, each to be checked afresh
+    (tests/test_retry_shield.py tests the shield)."""
     overrides.setdefault("max_retained_bytes", B)
+    overrides.setdefault("retry_shield_seconds", 0)
     overrides.setdefault("store", "memory")
     overrides.setdefault("max_infer_iters", 3)
     overrides.setdefault("upstream_read_timeout", 2.0)
@@ -236,6 +240,7 @@ def counting_gateway(
     overrides.setdefault("max_retained_bytes", B)
     overrides.setdefault("store", "memory")
     overrides.setdefault("upstream_read_timeout", 2.0)
+    overrides.setdefault("retry_shield_seconds", 0)  # as in `gateway`
     settings = Settings(upstream=upstream.base_url, **overrides)
     holder: list[CountingUpstream] = []
 

@@ -1,7 +1,8 @@
 """Real MCP servers for the tool-layer tests, built with the ``mcp`` SDK's ``MCPServer``.
 
 * `build_tools_server(probe)` — the CASES.md ``tools`` server (``lookup``, ``slow``, ``fast1``,
-  ``fast2``, ``query_db``, ``write_file``) plus test helpers (``echo``, ``sized``, ``sleep``, ``fail``,
+  ``fast2``, ``query_db``, ``write_file``), ``charge_card`` (no annotations: side effects),
+  ``put_record`` (``idempotentHint``) plus test helpers (``echo``, ``sized``, ``sleep``, ``fail``,
   ``surrogate``, ``picture``, ``structured``, ``hang``), instrumented by a `Probe`;
 * `build_other_server(probe)` — a second server sharing the name ``lookup`` (for name mangling);
 * `serve_mcp(server)` — serve one over streamable HTTP with a real uvicorn on a loopback port and
@@ -147,6 +148,18 @@ def build_tools_server(probe: Probe, *, name: str = "tools") -> MCPServer[Any]:
         """Pretends to write a file."""
         with probe.running("write_file", {"path": path, "content": content}):
             return f"wrote {len(content)} characters to {path}"
+
+    @server.tool()
+    async def charge_card(amount: int) -> str:
+        """Charges a card (a side effect: no annotations)."""
+        with probe.running("charge_card", {"amount": amount}):
+            return f"charged {amount}"
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=True))
+    async def put_record(key: str, value: str = "") -> str:
+        """Stores a record under a key (idempotent: a second run changes nothing more)."""
+        with probe.running("put_record", {"key": key, "value": value}):
+            return f"stored {key}"
 
     @server.tool()
     async def echo(tag: str = "echo", value: Any = None) -> str:

@@ -30,7 +30,6 @@ METRIC_CLASSES = frozenset({"Counter", "Gauge", "Histogram", "Summary", "Info", 
 
 #: Metrics DESIGN.md §8 declares for capabilities not built yet, with the issue that builds each.
 PENDING_METRICS: Mapping[str, str] = {
-    "loopwarden_retry_shield_hits_total": 'issue "real clients" (the retry shield)',
     "loopwarden_translation_failures_total": 'issue "Chat Completions upstreams"',
 }
 #: Metrics the app registers that DESIGN.md §8 does not declare: each needs its §8 row, then

@@ -13,11 +13,20 @@ from budget import BudgetExceeded, PoolExhausted
 from middleware import errors, outcomes
 from middleware.ops import metrics
 from middleware.ops.request_id import REQUEST_ID
+from middleware.ops.shield import Remembered
 from middleware.store.backends import StoreUnavailable
 from middleware.upstream import errors as up
 
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT.parent / "shared" / "DESIGN.md"
+
+
+def _remembered() -> Remembered:
+    """A retry-shield entry: the answer a 502 ledger overflow got."""
+    original = outcomes.resolve(BudgetExceeded("tool_result", 10, 0, 5))
+    status, headers, body = outcomes.render_json(original)
+    return Remembered(status, tuple(headers), body, original.row, original.code, "req_1", 0.0)
+
 
 # One representative failure per row, with the status and code it must answer.
 EXAMPLES: dict[str, tuple[BaseException, int, str]] = {
@@ -126,6 +135,7 @@ EXAMPLES: dict[str, tuple[BaseException, int, str]] = {
         413,
         "request_too_large",
     ),
+    "retry_shield": (errors.ShieldHit(_remembered(), age=1.5), 502, "max_retained_bytes_exceeded"),
 }
 
 

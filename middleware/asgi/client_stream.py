@@ -45,7 +45,7 @@ from middleware.upstream.reader import dumps_checked
 from middleware.upstream.sse import KEEPALIVE, encode_event
 
 FLUSH_BYTES = 64 * 1024  # buffered frame bytes that trigger a flush without waiting
-SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"))
+SSE_HEADERS = outcomes.SSE_HEADERS
 DONE = b"data: [DONE]\n\n"
 
 
@@ -226,6 +226,15 @@ class ClientStream:
         """End the stream: what is buffered, then ``data: [DONE]``, then the last message."""
         await self({"type": "http.response.body", "body": DONE, "more_body": False})
 
+    def current_snapshot(self) -> dict[str, Any] | None:
+        """The response so far (``snapshot``), or None when there is none or it cannot be built."""
+        if self.snapshot is None:
+            return None
+        try:
+            return self.snapshot()
+        except Exception:  # the failure itself may have left the state half-built
+            return None
+
     async def fail(self, outcome: outcomes.Outcome, *, retry_after: float = 1.0) -> None:
         """Answer `outcome` (`middleware.outcomes`): its envelope before commit, its frames after
         (buffered frames first). Nothing once the response is finished, or once the client
@@ -236,12 +245,6 @@ class ClientStream:
             status, headers, body = outcomes.render_json(outcome, retry_after=retry_after)
             await self.answer_json(status, body, headers)
             return
-        snapshot: dict[str, Any] | None = None
-        if self.snapshot is not None:
-            try:
-                snapshot = self.snapshot()
-            except Exception:  # the failure itself may have left the state half-built
-                snapshot = None
-        frames = outcomes.render_stream(outcome, self.next_sequence, snapshot)
+        frames = outcomes.render_stream(outcome, self.next_sequence, self.current_snapshot())
         self.next_sequence += 2
         await self({"type": "http.response.body", "body": frames, "more_body": False})

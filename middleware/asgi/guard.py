@@ -10,7 +10,10 @@ disconnect — is settled here, once, through `middleware.outcomes`: its metrics
 ``ctx.hooks.persist_failure``), and its answer (`ClientStream.fail`: the envelope before commit,
 ``error`` + ``response.failed`` + ``[DONE]`` after). That answer is bounded too: it gets at most
 ``client_write_timeout`` seconds, so a request whose deadline fires while its client has stopped
-reading ends within ``request_deadline + client_write_timeout``. A client that stopped reading
+reading ends within ``request_deadline + client_write_timeout``. A failure the outcome table
+shields (`outcomes.shielded`) of a request whose whole body was read is remembered by the retry
+shield (`middleware.ops.shield`) with the answer it gets, and the intake answers the same
+caller's identical request with it again (`middleware.errors.ShieldHit`). A client that stopped reading
 gets nothing more: it is counted and stored as gone (`outcomes.record_client_gone`,
 ``cancelled``), and uvicorn closes the connection when the app returns.
 
@@ -41,6 +44,8 @@ from middleware.errors import DeadlineExceeded, ShuttingDown
 from middleware.loop.context import RequestContext
 from middleware.ops import metrics
 from middleware.ops.admission import DRAIN, DrainState, ProcessPool
+from middleware.ops.request_id import REQUEST_ID
+from middleware.ops.shield import Remembered, RetryShield
 
 log = logging.getLogger("loopwarden")
 
@@ -65,6 +70,7 @@ class BudgetMiddleware:
     ``client_write_timeout``: seconds one write to the client may wait (make no progress) before
     the request ends as a client disconnect. ``validate`` and ``create``: what the body is
     (`IntakeConfig`; the defaults: a create request).
+    ``shield``: the worker's retry shield (None: off).
     """
 
     def __init__(
@@ -84,8 +90,10 @@ class BudgetMiddleware:
         charge_model: ChargeModel | None = None,
         validate: Callable[[dict[str, Any]], None] = validate_request,
         create: bool = True,
+        shield: RetryShield | None = None,
     ) -> None:
         self.app = app
+        self.shield = shield
         self.authenticator = authenticator or Authenticator(())
         self.pool = pool or ProcessPool(1 << 62)
         self.request_deadline = request_deadline
@@ -107,6 +115,7 @@ class BudgetMiddleware:
             charge_model=charge_model or ChargeModel.measured(),
             validate=validate,
             create=create,
+            shield=shield,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -279,6 +288,32 @@ class _Guard:
         except Exception:
             log.exception("could not store the %s status of this response", status)
 
+    def _remember(self, outcome: outcomes.Outcome) -> None:
+        """Have the retry shield remember the answer to `outcome` when the table shields it and
+        the whole body was read (best effort: never a second failure)."""
+        shield = self.mw.shield
+        if shield is None or not outcomes.shielded(outcome):
+            return
+        try:
+            key = self.intake.shield_key()
+            if key is None:
+                return
+            snapshot = self.client.current_snapshot() if outcome.committed else None
+            status, headers, body = outcomes.shield_answer(outcome, snapshot, retry_after=self.mw.retry_after)
+            answer = Remembered(
+                status,
+                headers,
+                body,
+                outcome.row,
+                outcome.code,
+                REQUEST_ID.get(),
+                shield.clock(),
+                caller=self.intake.caller,
+            )
+            shield.remember(key, answer)
+        except Exception:
+            log.exception("the retry shield could not remember this failure")
+
     async def _settle(self, exc: Exception, ctx: RequestContext | None) -> None:
         """The one answer to `exc`: record it, store it, then answer it."""
         if self.client.finished:
@@ -301,6 +336,7 @@ class _Guard:
         outcomes.record(outcome, owner=self.intake.owner, limit=code_limit)
         if ctx is not None:
             await self._persist(ctx, outcome)
+        self._remember(outcome)
         try:
             # bounded like every write: the deadline or the drain may have fired because the
             # client stopped reading, and then this answer cannot be written either

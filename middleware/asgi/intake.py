@@ -21,12 +21,20 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
    (`middleware.asgi.wsturn`) and the field checks (`InvalidRequest`);
 5. the model route (`ModelNotFound`), its charge model (the body is re-charged at its price) and
    its lower limit (413 if what is charged no longer fits).
+
+Between 3 and 4, once the whole body is read, and again once it is parsed, the retry shield
+(`middleware.ops.shield`): a request identical to one that failed deterministically (same
+caller, limits and body) within the window raises `ShieldHit` with the remembered answer. The
+body's SHA-256 is computed while it is read (the key until the body parses); the canonical digest
+of the parsed request (key order does not count) is computed only for a caller the shield holds
+a failure of, or when the guard remembers a failure (`Intake.shield_key`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -61,10 +69,12 @@ from middleware.errors import (
     ModelNotFound,
     Overloaded,
     ProcessBudgetExceeded,
+    ShieldHit,
     ShuttingDown,
 )
 from middleware.loop.context import RequestContext
 from middleware.ops.admission import DrainState, ProcessPool, RequestReservation
+from middleware.ops.shield import RetryShield, canonical_digest, request_key
 
 LIMIT_HEADERS = {
     b"loopwarden-max-retained-bytes": "max_retained_bytes",
@@ -88,7 +98,7 @@ class IntakeConfig:
     in a 503) and ``charge_model`` (the server's; models may name their own). ``validate`` checks
     the parsed body's fields (`validate_request`: a create body); ``create``: the body is a create
     request, so its ``stream`` and ``store`` fields count (False for ``/v1/responses/compact``,
-    which neither streams nor stores)."""
+    which neither streams nor stores). ``shield``: the worker's retry shield (None: off)."""
 
     limits: Limits
     authenticator: Authenticator
@@ -100,6 +110,7 @@ class IntakeConfig:
     charge_model: ChargeModel = dataclasses.field(default_factory=ChargeModel.measured)
     validate: Callable[[dict[str, Any]], None] = validate_request
     create: bool = True
+    shield: RetryShield | None = None
 
     def model_for(self, name: str | None) -> ChargeModel:
         """The charge model of a route naming ``name`` (None: the server's)."""
@@ -120,8 +131,9 @@ class Intake:
 
     What it acquired stays on the object for the guard to settle whatever happens:
     ``reservation`` (the pool's), ``ledger`` (the request's), ``model_label`` (the metric label),
-    ``owner`` (the caller's hash), ``caller`` (whose pool share it counts against) and ``lowered``
-    (the limits this request lowered with its own headers).
+    ``owner`` (the caller's hash), ``caller`` (whose pool share it counts against), ``lowered``
+    (the limits this request lowered with its own headers); `shield_key` is the request's
+    retry-shield key.
     """
 
     def __init__(self, scope: Scope, receive: Receive, config: IntakeConfig) -> None:
@@ -134,6 +146,11 @@ class Intake:
         self.ledger: Ledger | None = None
         self.model_label = "other"
         self.lowered: set[str] = set()
+        self._digest = hashlib.sha256()
+        self._raw_key: bytes | None = None  # set once the whole body is read (shield on)
+        self._parsed: dict[str, Any] | None = None
+        self._parsed_key: bytes | None = None
+        self._limits: tuple[int, int] = (0, 0)
 
     async def admit(self, client: ClientStream) -> RequestContext:
         """Run the checks; the admitted request, its ledger charged with the body."""
@@ -163,6 +180,7 @@ class Intake:
                 "(--client-body-timeout); send the whole body promptly",
                 seconds=self.config.client_body_timeout,
             ) from None
+        self._shield_read(limits)
         # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
         # the store doubles it (the persisted projection) is known only after parsing, so the
         # doubled charge replaces the single one then — exact for both, and sound throughout.
@@ -183,6 +201,7 @@ class Intake:
         turn = turn_of(self.scope)
         if turn is not None:  # a WebSocket response.create message (middleware.asgi.wsturn)
             request = turn.prepare(request)
+        self._shield_parsed(request)
         self.config.validate(request)
         route = self.config.router.match(request["model"])
         if route is None and self.config.router.configured:
@@ -218,6 +237,41 @@ class Intake:
         """The server's limits, lowered by the request's ``loopwarden-max-*`` headers."""
         limits, self.lowered = effective_limits(self.config.limits, self.scope.get("headers", []))
         return limits
+
+    def shield_key(self) -> bytes | None:
+        """The retry-shield key of this request (`middleware.ops.shield.request_key`): of the
+        parsed request (`canonical_digest`, computed once, here if not yet) when it parsed, else of
+        the body's bytes; None before the whole body was read or with the shield off."""
+        if self._parsed is not None and self._parsed_key is None:
+            self._parsed_key = request_key(self.caller, self._limits, canonical_digest(self._parsed))
+        return self._parsed_key or self._raw_key
+
+    def _shield_read(self, limits: Limits) -> None:
+        """The whole body is read: its key from its bytes; `ShieldHit` when the shield has it."""
+        shield = self.config.shield
+        if shield is None or not shield.enabled:
+            return
+        self._limits = (limits.max_retained_bytes, limits.max_infer_iters)
+        self._raw_key = request_key(self.caller, self._limits, self._digest.digest())
+        self._raise_hit(shield, self._raw_key)
+
+    def _shield_parsed(self, request: dict[str, Any]) -> None:
+        """The body parsed: `ShieldHit` when the shield has the parsed request, looked up only for
+        a caller the shield holds a failure of (the digest walks the whole request)."""
+        shield = self.config.shield
+        if shield is None or self._raw_key is None:
+            return
+        self._parsed = request
+        if shield.knows(self.caller):
+            key = self.shield_key()
+            assert key is not None
+            self._raise_hit(shield, key)
+
+    @staticmethod
+    def _raise_hit(shield: RetryShield, key: bytes) -> None:
+        hit = shield.lookup(key)
+        if hit is not None:
+            raise ShieldHit(hit, age=shield.clock() - hit.at)
 
     def _content_length(self) -> int | None:
         for name, value in self.scope.get("headers", []):
@@ -334,6 +388,7 @@ class Intake:
                     counter.feed(chunk)
                 except JsonTooDeep as exc:
                     raise InvalidRequest(str(exc), code="json_too_deep") from None
+                self._digest.update(chunk)
                 parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)

@@ -305,7 +305,8 @@ class AgentLoop:
     async def _run_tools(self, calls: Sequence[dict[str, Any]]) -> list[ToolOutcome]:
         if not calls:
             return []
-        self.ctx.hooks.tools_ran = True  # from now on a retry would run them again
+        if not all(self._retry_safe(call) for call in calls):
+            self.ctx.hooks.tools_ran = True  # from now on a retry would run them (side effects) again
         settings = self.state.settings
         if self.stitcher is not None:
             for call in calls:
@@ -319,6 +320,12 @@ class AgentLoop:
             max_result_bytes=settings.tool_max_result_bytes,
         )
         return await self._with_keepalive(work)
+
+    def _retry_safe(self, call: dict[str, Any]) -> bool:
+        """Whether running `call` again on a retry is harmless: its tool is annotated
+        ``readOnlyHint`` or ``idempotentHint``."""
+        tool = self.resolved.gateway_tool(str(call.get("name")))
+        return tool is not None and tool.retry_safe
 
     async def _with_keepalive(self, work: Awaitable[T]) -> T:
         await self.client.flush()  # what is buffered reaches the client before the wait

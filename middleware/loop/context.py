@@ -28,7 +28,8 @@ PersistFailure = Callable[[str, "dict[str, Any] | None"], Awaitable[None]]
 @dataclasses.dataclass(eq=False)
 class RequestHooks:
     """What the loop tells the guard: ``persist_failure`` once the response object exists, and
-    ``tools_ran`` once a gateway tool has run (a retry would run it again: deterministic)."""
+    ``tools_ran`` once a gateway tool with side effects has run — one not annotated ``readOnlyHint``
+    or ``idempotentHint`` (a retry would run it again: deterministic, shielded)."""
 
     persist_failure: PersistFailure | None = None
     tools_ran: bool = False

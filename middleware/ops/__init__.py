@@ -15,6 +15,8 @@ One job per module:
 * `capacity_data` — `gather`: one window of the gateway's metrics read from Prometheus.
 * `capacity_report` — the text report, the charts and the self-contained HTML page.
 * `plot` — `chart`: one matplotlib chart (PNG and SVG) per histogram (the ``plots`` extra).
+* `shield` — `RetryShield`: the per-worker retry shield (a deterministic failure answered again
+  to the same caller's identical request, without an upstream call).
 
 Nothing is re-exported here: import from the module.
 """

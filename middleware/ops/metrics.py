@@ -312,6 +312,13 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {},
     ),
     MetricSpec(
+        "loopwarden_retry_shield_hits_total",
+        "counter",
+        "Requests answered by the retry shield: identical to one that failed deterministically "
+        "within --retry-shield-seconds, answered again without an upstream call.",
+        {},
+    ),
+    MetricSpec(
         "loopwarden_tool_calls_total",
         "counter",
         "Gateway-owned tool calls, by outcome (ok, error, timeout, refused, invalid_arguments, too_large).",
@@ -449,6 +456,7 @@ CAP_HITS = _counter("loopwarden_cap_hits_total")
 STREAM_ERRORS = _counter("loopwarden_stream_errors_total")
 UPSTREAM_ERRORS = _counter("loopwarden_upstream_errors_total")
 CLIENT_DISCONNECTS = _counter("loopwarden_client_disconnects_total")
+RETRY_SHIELD_HITS = _counter("loopwarden_retry_shield_hits_total")
 TOOL_CALLS = _counter("loopwarden_tool_calls_total")
 DROPPED_WRITES = _counter("loopwarden_dropped_writes_total")
 TOOL_DURATION = _histogram("loopwarden_tool_call_duration_seconds")

@@ -129,6 +129,7 @@ class _ListedTool:
     input_schema: dict[str, Any]
     annotations: dict[str, Any] | None
     read_only: bool
+    retry_safe: bool = False  # readOnlyHint or idempotentHint: a second run changes nothing more
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,10 @@ def _listed(tool: mcp_types.Tool) -> _ListedTool:
         input_schema=scrub_json(tool.input_schema),
         annotations=None if annotations is None else scrub_json(annotations),
         read_only=bool(tool.annotations is not None and tool.annotations.read_only_hint),
+        retry_safe=bool(
+            tool.annotations is not None
+            and (tool.annotations.read_only_hint or tool.annotations.idempotent_hint)
+        ),
     )
 
 
@@ -331,7 +336,9 @@ class ToolCatalog:
                         "narrow them with allowed_tools",
                         code="duplicate_tool_name",
                     )
-                gateway[function_name] = GatewayTool(d.label, t.name, function_name, d.approval.required(t))
+                gateway[function_name] = GatewayTool(
+                    d.label, t.name, function_name, d.approval.required(t), retry_safe=t.retry_safe
+                )
                 functions[d.label].append(
                     {
                         "type": "function",

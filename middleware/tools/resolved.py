@@ -32,13 +32,16 @@ class GatewayTool:
     ``server_label`` — the request's label for its server; ``name`` — the tool's real MCP name
     (what ``tools/call`` gets); ``function_name`` — the name the upstream model sees (``name``, or
     ``LABEL__name`` when two declared servers share ``name``); ``require_approval`` — whether a call
-    must be approved by the client before it runs.
+    must be approved by the client before it runs; ``retry_safe`` — its MCP annotations declare
+    ``readOnlyHint`` or ``idempotentHint`` (MCP 2025-06-18, ``ToolAnnotations``), so running it again
+    on a retry has no further effect (absent: false, it may have side effects).
     """
 
     server_label: str
     name: str
     function_name: str
     require_approval: bool
+    retry_safe: bool = False
 
 
 class ResolvedTools:
