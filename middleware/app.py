@@ -3,7 +3,8 @@
 `create_app(settings)` returns a Starlette app serving ``POST /v1/responses`` (buffered and
 ``"stream": true``; `ResponsesApp` wrapped in `BudgetMiddleware`), the store routes
 (`middleware.store.routes`: ``/v1/responses/{id}``, ``/input_items``, ``/cancel``,
-``/v1/conversations…``),
+``/v1/conversations…``), background responses (`middleware.loop.background`: their tasks are
+drained in the lifespan's shutdown, before the store closes),
 ``GET /v1/models``, ``GET /healthz``, ``GET /readyz`` and ``GET /metrics``; every failure of a
 plain route, an unknown path (404) and a wrong method (405, with ``Allow``) is answered by
 `middleware.outcomes`. The upstream HTTP client is created in the lifespan (one per process). Without
@@ -37,6 +38,7 @@ from middleware.config import Settings
 from middleware.dev.embedded import BackgroundServer
 from middleware.errors import Failure, MethodNotAllowed, UnknownRoute
 from middleware.loop.app import ResponsesApp
+from middleware.loop.background import BackgroundTasks
 from middleware.ops import metrics
 from middleware.ops.admission import (
     DRAIN,
@@ -231,9 +233,11 @@ def create_app(
         state.catalog = build_catalog(settings, demo=devmodel is not None)
         state.store = open_store(settings.store)
         await state.store.open()
+        await background.start()
         try:
             yield
         finally:
+            await background.close()  # drains the background tasks while the store is open
             await state.catalog.aclose()  # pooled MCP sessions end (HTTP DELETE, stdio process exits)
             await state.store.close()
             await state.upstream.aclose()
@@ -261,8 +265,15 @@ def create_app(
             pool.budget,
             settings.max_retained_bytes,
         )
+    inner = ResponsesApp(state)
+
+    def get_store() -> Store:
+        assert state.store is not None, "the lifespan opens the store"
+        return state.store
+
+    background = BackgroundTasks(inner, get_store, settings)
     responses = BudgetMiddleware(
-        ResponsesApp(state),
+        inner,
         limits=settings.limits,
         client_body_timeout=settings.client_body_timeout,
         authenticator=authenticator,
@@ -273,6 +284,7 @@ def create_app(
         keepalive_interval=settings.keepalive_interval,
         client_write_timeout=settings.client_write_timeout,
         charge_model=ChargeModel.named(settings.charge_model),
+        background=background,
     )
 
     async def readyz(request: Request) -> Response:
@@ -282,10 +294,6 @@ def create_app(
         if pool.saturated:
             return JSONResponse({"status": "saturated"}, status_code=503)
         return JSONResponse({"status": "ready"})
-
-    def get_store() -> Store:
-        assert state.store is not None, "the lifespan opens the store"
-        return state.store
 
     def owner_of(request: Request) -> str:
         return authenticator.owner(request.scope)
@@ -304,6 +312,7 @@ def create_app(
                 caller_of=authenticator.caller,
                 client_body_timeout=settings.client_body_timeout,
             ),
+            background=background,
         ),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

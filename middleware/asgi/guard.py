@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -38,6 +39,9 @@ from middleware.errors import DeadlineExceeded, ShuttingDown
 from middleware.loop.context import RequestContext
 from middleware.ops import metrics
 from middleware.ops.admission import DRAIN, DrainState, ProcessPool
+
+if TYPE_CHECKING:
+    from middleware.loop.background import BackgroundTasks
 
 log = logging.getLogger("loopwarden")
 
@@ -57,7 +61,9 @@ class BudgetMiddleware:
     pool. ``request_deadline``: seconds for the whole request. ``retry_after``: seconds in a 503.
     ``keepalive_interval``: seconds of client silence before a ``: keep-alive`` comment.
     ``client_write_timeout``: seconds one write to the client may wait (make no progress) before
-    the request ends as a client disconnect.
+    the request ends as a client disconnect. ``background``: the worker's background tasks
+    (`middleware.loop.background`), which take over an admitted ``background: true`` request
+    (None: such a request runs as a foreground one would — the app always passes it).
     """
 
     def __init__(
@@ -75,8 +81,10 @@ class BudgetMiddleware:
         client_write_timeout: float = 30.0,
         drain: DrainState = DRAIN,
         charge_model: ChargeModel | None = None,
+        background: BackgroundTasks | None = None,
     ) -> None:
         self.app = app
+        self.background = background
         self.authenticator = authenticator or Authenticator(())
         self.pool = pool or ProcessPool(1 << 62)
         self.request_deadline = request_deadline
@@ -132,6 +140,9 @@ class _Guard:
                 return
             except Exception as exc:
                 await self._settle(exc, None)
+                return
+            if self.mw.background is not None and ctx.request.get("background") is True:
+                await self._background(self.mw.background, ctx)
                 return
             await self._run_inner(ctx)
         finally:
@@ -206,6 +217,16 @@ class _Guard:
         failure = ended if ended is not None else work.result()
         if failure is not None:
             await self._settle(failure, ctx)
+
+    async def _background(self, background: BackgroundTasks, ctx: RequestContext) -> None:
+        """Hand the admitted request to a background task (it takes the ledger and the
+        reservation once its ``queued`` row is stored), then answer the client from it."""
+        try:
+            task = await background.launch(ctx, self.intake)
+        except Exception as exc:
+            await self._settle(exc, ctx)
+            return
+        await background.answer(task, self.client, self.receive)
 
     async def _inner(self, scope: Scope) -> Exception | None:
         """Run the inner app; what it raised (None when it answered)."""

@@ -79,7 +79,7 @@ class AgentLoop:
         self.client = ctx.client
         self.resolved = resolved
         self.rounds = 0  # inference calls made so far
-        self.response_id = new_id("resp")
+        self.response_id = ctx.response_id or new_id("resp")
         self.request = ctx.request
         self.input_items = as_input_items(self.request.get("input"))  # as the client sent them
         self.new_input = [i for i in self.input_items if i.get("type") != "mcp_approval_response"]
@@ -106,6 +106,7 @@ class AgentLoop:
             input_items=self.input_items,
             items=self.items,
             replay=self.replay,
+            background=ctx.response_id is not None and self.request.get("background") is True,
         )
         self.rounds_observed = False
         self._round_acc: StreamAccumulator | None = None

@@ -41,6 +41,8 @@ class RequestContext:
     ``model_label``: the ``model`` metric label. ``owner``: the caller's identity (a hash of its
     API key) that stored responses belong to. ``route``: the configured model route (None: not
     configured). ``client``: the one writer to the client. ``hooks``: see `RequestHooks`.
+    ``response_id``: the id the response object gets (None: the loop makes one; a background
+    response's was stored ``queued`` before the loop started, `middleware.loop.background`).
     """
 
     ledger: Ledger
@@ -54,6 +56,7 @@ class RequestContext:
     owner: str = ""
     route: ModelRoute | None = None
     hooks: RequestHooks = dataclasses.field(default_factory=RequestHooks)
+    response_id: str | None = None
 
 
 def context_of(scope: MutableMapping[str, Any]) -> RequestContext:

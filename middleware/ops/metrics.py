@@ -117,6 +117,8 @@ UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
 )
 #: ``loopwarden_tool_calls_total{outcome}``.
 TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
+#: ``loopwarden_background_outcomes_total{outcome}``: the stored status a background response ended with.
+BACKGROUND_OUTCOMES: tuple[str, ...] = ("completed", "incomplete", "failed", "cancelled")
 #: ``loopwarden_stream_errors_total{code}``: the codes the gateway itself can send after commit,
 #: i.e. ``middleware.outcomes.stream_error_codes()`` (its rows that can happen after commit).
 #: Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded strings and are
@@ -359,6 +361,18 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {},
     ),
     MetricSpec(
+        "loopwarden_background_tasks",
+        "gauge",
+        "Background responses (background: true) running on this worker now.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_background_outcomes_total",
+        "counter",
+        "Background responses ended, by stored status (completed, incomplete, failed, cancelled).",
+        {"outcome": BACKGROUND_OUTCOMES},
+    ),
+    MetricSpec(
         "loopwarden_memory_pressure_ratio",
         "gauge",
         "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
@@ -403,6 +417,8 @@ UPSTREAM_TTFB = _histogram("loopwarden_upstream_ttfb_seconds")
 ADMISSION_RESERVED = _gauge("loopwarden_admission_reserved_bytes", "livesum")
 ADMISSION_BUDGET = _gauge("loopwarden_admission_budget_bytes", "livesum")
 MEMORY_PRESSURE = _gauge("loopwarden_memory_pressure_ratio", "livemax")
+BACKGROUND_TASKS = _gauge("loopwarden_background_tasks", "livesum")
+BACKGROUND_OUTCOMES_TOTAL = _counter("loopwarden_background_outcomes_total")
 
 _STREAM_ERROR_CODES = frozenset(STREAM_ERROR_CODES)
 
@@ -421,6 +437,8 @@ def _preinitialise() -> None:
         TOOL_CALLS.labels(outcome=outcome)
     for code in STREAM_ERROR_CODES:
         STREAM_ERRORS.labels(code=code)
+    for outcome in BACKGROUND_OUTCOMES:
+        BACKGROUND_OUTCOMES_TOTAL.labels(outcome=outcome)
 
 
 _preinitialise()
