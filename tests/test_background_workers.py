@@ -113,7 +113,9 @@ def _cancel_through_the_other_gateway(store: str, upstream: MockUpstream) -> Non
     assert len(upstream.requests) == 1
 
 
-def test_cancel_from_a_second_worker_process_on_one_sqlite_file(upstream: MockUpstream, tmp_path: Path) -> None:
+def test_cancel_from_a_second_worker_process_on_one_sqlite_file(
+    upstream: MockUpstream, tmp_path: Path
+) -> None:
     _cancel_through_the_other_gateway(f"sqlite:///{tmp_path}/store.db", upstream)
 
 
@@ -129,7 +131,9 @@ def _streamed(words: list[str], gap: float) -> Reply:
     return Reply.sse(parts)
 
 
-def test_a_stream_started_on_one_gateway_resumes_on_another(upstream: MockUpstream, pg_server: PgServer) -> None:
+def test_a_stream_started_on_one_gateway_resumes_on_another(
+    upstream: MockUpstream, pg_server: PgServer
+) -> None:
     words = [f"w{i} " for i in range(8)]
     upstream.push(_streamed(words, 0.25))
     store = pg_server.create_schema(f"bg_{uuid.uuid4().hex[:12]}")
@@ -148,7 +152,9 @@ def test_a_stream_started_on_one_gateway_resumes_on_another(upstream: MockUpstre
         assert text == "".join(words)
 
 
-def test_a_killed_workers_task_is_marked_failed_after_its_lease(upstream: MockUpstream, tmp_path: Path) -> None:
+def test_a_killed_workers_task_is_marked_failed_after_its_lease(
+    upstream: MockUpstream, tmp_path: Path
+) -> None:
     release = threading.Event()
     upstream.push(Reply.sse([*PRE(), text_delta(2, "partial "), release, DONE(3, [message_item("x")])]))
     store = f"sqlite:///{tmp_path}/store.db"
@@ -156,7 +162,9 @@ def test_a_killed_workers_task_is_marked_failed_after_its_lease(upstream: MockUp
         with serving(store, upstream) as (url_b, _):
             with serving(store, upstream) as (url_a, proc_a):
                 seen = []
-                with sdk(url_a).responses.create(model="m", input="hi", background=True, stream=True) as stream:
+                with sdk(url_a).responses.create(
+                    model="m", input="hi", background=True, stream=True
+                ) as stream:
                     for event in stream:
                         seen.append(event)
                         if event.type == "response.output_text.delta":

@@ -39,6 +39,10 @@ PENDING_METRICS: Mapping[str, str] = {
 #: leaves this mapping.
 UNDECLARED_METRICS: Mapping[str, str] = {
     "loopwarden_memory_pressure_ratio": "issue 10 (memory-pressure shedding): gauge, no labels",
+    "loopwarden_background_tasks": "issue 23 (background responses): gauge, no labels; running here now",
+    "loopwarden_background_outcomes_total": (
+        "issue 23 (background responses): counter, `outcome` (completed, incomplete, failed, cancelled)"
+    ),
 }
 #: Cap-hit ``limit`` values DESIGN.md §8 adds for the second batch, not built yet. The WebSocket
 #: and translation values belong to those capabilities. (``caller_share``, issue "memory truth",
