@@ -72,6 +72,7 @@ def test_create_answers_queued_then_poll_shows_in_progress_then_completed(upstre
     spec_schema.require_spec()
     release = threading.Event()
     upstream.push(held(release, response_obj([message_item("done in the background")])))
+    delta = MetricDelta()
     with gateway(upstream, upstream_read_timeout=20) as (url, _):
         client = sdk(url)
         raw = httpx.post(
@@ -95,6 +96,11 @@ def test_create_answers_queued_then_poll_shows_in_progress_then_completed(upstre
             True,
         )
         spec_schema.assert_response(raw_get(url, queued["id"]))
+        deadline = time.monotonic() + 5
+        while delta.delta("loopwarden_background_outcomes_total", outcome="completed") != 1:
+            assert time.monotonic() < deadline, "the completed outcome was not counted"
+            time.sleep(0.05)
+        assert delta.delta("loopwarden_background_outcomes_total", outcome="failed") == 0
     sent = upstream.requests[0].json()
     assert "background" not in sent and sent["store"] is False  # the upstream runs it in the foreground
 

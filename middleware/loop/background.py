@@ -19,7 +19,8 @@ Across workers and hosts (one SQLite file, one PostgreSQL): every ``tick`` secon
 a quarter of the lease) each worker copies new event-log frames to the store, renews the leases of
 its tasks and reads their cancel flags in one transaction (`BackgroundStore.heartbeat`), and
 stores ``failed`` (502 ``background_worker_lost``) every running task whose lease
-(``--background-lease-seconds``) passed — a worker that died. Event logs are dropped
+(``--background-lease-seconds``) passed — a worker that died (checked every quarter lease, with a
+read; the write transaction runs only when a lease has passed). Event logs are dropped
 ``--background-event-log-retention`` seconds after their task ended.
 
 `cancel` (``POST /v1/responses/{id}/cancel``, from any worker) sets the task's cancel flag (and
@@ -72,12 +73,17 @@ if TYPE_CHECKING:
 
     from middleware.asgi.intake import Intake
 
-__all__ = ["CANCEL_WAIT", "WORKER", "BackgroundTask", "BackgroundTasks"]
+__all__ = ["CANCEL_WAIT", "BackgroundTask", "BackgroundTasks", "queued_object", "worker_name"]
 
 log = logging.getLogger("loopwarden")
 
-#: This worker's name in the task rows: host, process id and a random suffix (pids are reused).
-WORKER = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def worker_name() -> str:
+    """A worker's name in the task rows: host, process id and a random suffix (pids are reused;
+    made per app, so a forked worker does not inherit its parent's)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
 #: Seconds a cancel waits for the task's end to be stored before answering the response as it is.
 CANCEL_WAIT = 10.0
 _GC_EVERY = 60.0  # seconds between event-log clean-ups
@@ -143,7 +149,8 @@ class BackgroundTasks:
         self.drain = drain
         self.lease_ms = int(settings.background_lease_seconds * 1000)
         self.tick = min(0.25, settings.background_lease_seconds / 4)
-        self.worker = WORKER
+        self.worker = worker_name()
+        self.expire_every = max(self.tick, settings.background_lease_seconds / 4)
         self.tasks: dict[str, BackgroundTask] = {}
         self.shutdown_at: float | None = None  # time.monotonic() after which tasks are ended
         self._beat: asyncio.Task[None] | None = None
@@ -298,7 +305,7 @@ class BackgroundTasks:
 
     # -- heartbeat -----------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
-        last_gc = 0.0
+        last_gc = last_expiry = 0.0
         while True:
             await asyncio.sleep(self.tick)
             try:
@@ -308,7 +315,9 @@ class BackgroundTasks:
                         task = self.tasks.get(response_id)
                         if task is not None:
                             task.request_cancel()
-                await self._expire()
+                if time.monotonic() - last_expiry >= self.expire_every:
+                    last_expiry = time.monotonic()
+                    await self._expire()
                 if time.monotonic() - last_gc >= _GC_EVERY:
                     last_gc = time.monotonic()
                     retention_ms = int(self.settings.background_event_log_retention * 1000)
@@ -325,7 +334,10 @@ class BackgroundTasks:
             seconds=seconds,
         )
         outcome = outcomes.resolve(failure)
-        for _ in await self.tables.expire_leases(now_ms(), outcomes.error_object(outcome)):
+        now = now_ms()
+        if not await self.tables.any_expired(now):  # a read: no write lock while nothing expired
+            return
+        for _ in await self.tables.expire_leases(now, outcomes.error_object(outcome)):
             outcomes.record(outcome)
             metrics.BACKGROUND_OUTCOMES_TOTAL.labels(outcome="failed").inc()
 

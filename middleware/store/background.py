@@ -152,6 +152,17 @@ class BackgroundStore:
 
         return await self.store.backend.run(work(), write=True)
 
+    async def any_expired(self, now: int) -> bool:
+        """Whether any running task's lease ended before ``now`` (epoch ms); a read."""
+        rows = await self.store.backend.run(
+            single(
+                "SELECT response_id FROM background_tasks WHERE state = 'running' AND lease_until < ? LIMIT 1",
+                (now,),
+            ),
+            write=False,
+        )
+        return bool(rows)
+
     async def expire_leases(self, now: int, error: dict[str, Any]) -> list[str]:
         """Store ``failed`` with ``error`` the response of every running task whose lease ended
         before ``now`` (epoch ms) and mark the task ``done``; the ids, in one transaction. A
