@@ -319,3 +319,35 @@ def test_shutdown_drains_then_stores_the_rest_failed_server_shutting_down(
     assert status == "failed" and json.loads(error)["code"] == "server_shutting_down"
     assert json.loads(response)["status"] == "failed"
     assert state == ("done",)
+
+
+def test_a_streaming_client_that_stops_reading_is_detached_and_the_task_runs_on(
+    upstream: MockUpstream,
+) -> None:
+    from tests.test_slow_clients import DELTA, long_answer, non_reading_client
+
+    upstream.push(long_answer(200))  # 3.2 MiB of text: far more than the socket buffers hold
+    body = {"model": "m", "input": "x", "stream": True, "background": True}
+    with gateway(
+        upstream, client_write_timeout=1.0, max_retained_bytes=268_435_456, upstream_read_timeout=30
+    ) as (
+        url,
+        _,
+    ):
+        m = MetricDelta()
+        with non_reading_client(url, body) as response_id:
+            started = time.monotonic()
+            deadline = started + 20
+            while m.delta("loopwarden_cap_hits_total", limit="client_write_timeout", outcome="closed") != 1:
+                assert time.monotonic() < deadline, "the stalled follower was not detached"
+                time.sleep(0.05)
+            detached_after = time.monotonic() - started
+            final = httpx.get(f"{url}/v1/responses/{response_id}", timeout=10).json()
+            while final["status"] in PENDING:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+                final = httpx.get(f"{url}/v1/responses/{response_id}", timeout=10).json()
+    assert detached_after >= 1.0  # not before the client had stalled for the whole timeout
+    assert final["status"] == "completed"  # a client that goes away cancels nothing
+    assert upstream.bytes_written >= 200 * len(DELTA)  # the task read the whole answer
+    assert m.delta("loopwarden_background_outcomes_total", outcome="cancelled") == 0
