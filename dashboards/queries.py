@@ -210,6 +210,16 @@ _QUERY_LIST: list[Query] = [
     Query("targets_total", 'count(up{job=~"$job"})', "targets"),
     Query("inflight_requests", f"sum by (instance) ({_sel('loopwarden_inflight_requests')})", "{{instance}}"),
     Query("client_disconnects", f"sum({_rate('loopwarden_client_disconnects_total')})", "client disconnects"),
+    Query(
+        "background_tasks_by_instance",
+        f"sum by (instance) ({_sel('loopwarden_background_tasks')})",
+        "{{instance}}",
+    ),
+    Query(
+        "background_outcomes",
+        f"sum by (outcome) ({_rate('loopwarden_background_outcomes_total')})",
+        "{{outcome}}",
+    ),
     # cap hits and failures
     Query(
         "cap_hits_by_limit_outcome",

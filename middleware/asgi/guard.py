@@ -14,6 +14,11 @@ reading ends within ``request_deadline + client_write_timeout``. A client that s
 gets nothing more: it is counted and stored as gone (`outcomes.record_client_gone`,
 ``cancelled``), and uvicorn closes the connection when the app returns.
 
+An admitted ``background: true`` request is handed to the worker's `BackgroundTasks`
+(`middleware.loop.background`): it stores the response ``queued``, takes over the ledger and the
+reservation, and supervises the task itself; the guard only answers the client from it (and
+settles a failure to store the ``queued`` row, e.g. 503 ``store_unavailable``).
+
 Every request is counted (``loopwarden_requests_total`` before its last byte leaves,
 ``loopwarden_inflight_requests``, ``loopwarden_client_disconnects_total``, the retained-bytes peak
 and utilisation histograms).

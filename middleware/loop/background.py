@@ -47,9 +47,10 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from starlette.types import ASGIApp, Message, Receive
+from starlette.types import ASGIApp, Message, Receive, Send
 
 from budget import Ledger
 from middleware import outcomes
@@ -61,6 +62,7 @@ from middleware.loop.context import RequestContext, RequestHooks
 from middleware.loop.echo import normalise_response
 from middleware.loop.eventlog import EventGap, EventLog
 from middleware.loop.items import public_tools
+from middleware.loop.resume import resume_response
 from middleware.loop.supervise import Supervisor, serve_follower
 from middleware.ops import metrics
 from middleware.ops.admission import DRAIN, DrainState, RequestReservation
@@ -78,11 +80,11 @@ __all__ = ["CANCEL_WAIT", "BackgroundTask", "BackgroundTasks", "queued_object", 
 log = logging.getLogger("loopwarden")
 
 
-
 def worker_name() -> str:
     """A worker's name in the task rows: host, process id and a random suffix (pids are reused;
     made per app, so a forked worker does not inherit its parent's)."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
 
 #: Seconds a cancel waits for the task's end to be stored before answering the response as it is.
 CANCEL_WAIT = 10.0
@@ -141,7 +143,7 @@ class BackgroundTasks:
     """
 
     def __init__(
-        self, app: ASGIApp, get_store: Any, settings: Settings, *, drain: DrainState = DRAIN
+        self, app: ASGIApp, get_store: Callable[[], Store], settings: Settings, *, drain: DrainState = DRAIN
     ) -> None:
         self.app = app
         self.get_store = get_store
@@ -158,9 +160,7 @@ class BackgroundTasks:
     @property
     def store(self) -> Store:
         """The open store."""
-        store = self.get_store()
-        assert isinstance(store, Store)
-        return store
+        return self.get_store()
 
     @property
     def tables(self) -> BackgroundStore:
@@ -360,6 +360,8 @@ class BackgroundTasks:
         row = await self.tables.task(response_id, owner)
         if row is None:
             return None
+        if row.state == "running" and row.lease_until < now_ms():
+            await self._expire()  # its worker is gone: store that now rather than wait for it
         if row.state == "running" and await self.tables.request_cancel(response_id, owner):
             local = self.tasks.get(response_id)
             if local is not None:
@@ -377,12 +379,10 @@ class BackgroundTasks:
 
     async def resume(self, request: Request, owner: str) -> Response:
         """``GET /v1/responses/{id}?stream=true&starting_after=N`` (`middleware.loop.resume`)."""
-        from middleware.loop.resume import resume_response
-
         return await resume_response(self, request, owner)
 
 
-def _sink(event_log: EventLog | None) -> Any:
+def _sink(event_log: EventLog | None) -> Send:
     """The ``send`` of a task's `ClientStream`: body bytes feed the event log (a buffered
     task's answer is dropped: it is stored, and polled)."""
 
