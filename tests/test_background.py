@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests import spec_schema
+from tests import helpers, spec_schema
 from tests.helpers import (
     DONE,
     PRE,
@@ -28,7 +28,6 @@ from tests.helpers import (
     gateway,
     message_item,
     response_obj,
-    sdk,
     sse_events,
     text_delta,
 )
@@ -36,6 +35,21 @@ from tests.mock_upstream import MockUpstream, Reply
 
 PENDING = ("queued", "in_progress")
 AUTH = {"authorization": "Bearer client-key"}  # the SDK's key: the same owner
+_CLIENTS: list[openai.OpenAI] = []
+
+
+def sdk(url: str) -> openai.OpenAI:
+    """`tests.helpers.sdk`, closed when the test ends (`close_clients`)."""
+    client = helpers.sdk(url)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def close_clients() -> Iterator[None]:
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
 
 
 @pytest.fixture

@@ -26,10 +26,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import DONE, PRE, message_item, response_obj, sdk, sse_events, text_delta
+from tests.helpers import DONE, PRE, message_item, response_obj, sse_events, text_delta
 from tests.mock_upstream import MockUpstream, Reply
 from tests.pg import PgServer, PostgresMissing, running_postgres
-from tests.test_background import AUTH, held, poll
+from tests.test_background import AUTH, close_clients, held, poll, sdk
+
+__all__ = ["close_clients"]  # the autouse fixture closes the SDK clients of these tests too
 
 ROOT = Path(__file__).resolve().parents[1]
 LEASE = 2.0  # --background-lease-seconds of the gateways here
@@ -189,5 +191,32 @@ def test_a_killed_workers_task_is_marked_failed_after_its_lease(
             assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
             assert events[-2][1]["code"] == "background_worker_lost"
             assert json.dumps(events[-1][1]["response"]["error"]["code"]) == '"background_worker_lost"'
+    finally:
+        release.set()
+
+
+def test_sigterm_drains_a_running_task_then_stores_it_failed_server_shutting_down(
+    upstream: MockUpstream, tmp_path: Path
+) -> None:
+    release = threading.Event()
+    upstream.push(held(release, response_obj([message_item("too late")])))
+    upstream.push(Reply.json(response_obj([message_item("in time")])))
+    store = f"sqlite:///{tmp_path}/store.db"
+    try:
+        with serving(store, upstream) as (url_b, _):
+            with serving(store, upstream) as (url_a, proc_a):
+                a = sdk(url_a)
+                slow = a.responses.create(model="m", input="hi", background=True)
+                poll(a, slow.id, until=("in_progress",))
+                proc_a.send_signal(signal.SIGTERM)  # --drain-timeout 2
+                signalled = time.monotonic()
+                assert proc_a.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+                took = time.monotonic() - signalled
+            final = sdk(url_b).responses.retrieve(slow.id)
+            assert final.status == "failed"
+            assert final.error is not None and final.error.code == "server_shutting_down"
+            assert 1.5 <= took < 15, f"the worker exited {took:.1f} s after SIGTERM"
+            fast = sdk(url_b).responses.create(model="m", input="hi", background=True)
+            assert poll(sdk(url_b), fast.id).output_text == "in time"  # the other worker serves on
     finally:
         release.set()
