@@ -365,3 +365,38 @@ def test_a_streaming_client_that_stops_reading_is_detached_and_the_task_runs_on(
     assert final["status"] == "completed"  # a client that goes away cancels nothing
     assert upstream.bytes_written >= 200 * len(DELTA)  # the task read the whole answer
     assert m.delta("loopwarden_background_outcomes_total", outcome="cancelled") == 0
+
+
+def test_the_request_deadline_ends_a_background_task_stored_failed(upstream: MockUpstream) -> None:
+    release = threading.Event()
+    upstream.push(held(release, response_obj([message_item("too late")])))
+    try:
+        with gateway(upstream, request_deadline=1.0, upstream_read_timeout=30) as (url, _):
+            client = sdk(url)
+            created = client.responses.create(model="m", input="hi", background=True)
+            final = poll(client, created.id, timeout=10)
+            assert final.status == "failed"
+            assert final.error is not None and final.error.code == "request_deadline_exceeded"
+    finally:
+        release.set()
+
+
+def test_cancelling_a_streamed_background_response_ends_its_stream(upstream: MockUpstream) -> None:
+    release = threading.Event()
+    upstream.push(Reply.sse([*PRE(), text_delta(2, "so far "), release, DONE(3, [message_item("x")])]))
+    try:
+        with gateway(upstream, upstream_read_timeout=30) as (url, _):
+            client = sdk(url)
+            names: list[str] = []
+            response_id = ""
+            with client.responses.create(model="m", input="hi", background=True, stream=True) as stream:
+                for event in stream:
+                    names.append(event.type)
+                    if event.type == "response.created":
+                        response_id = event.response.id
+                    if event.type == "response.output_text.delta":
+                        assert sdk(url).responses.cancel(response_id).status == "cancelled"
+            assert names[-1] == "response.output_text.delta"  # the stream ended, nothing after it
+            assert client.responses.retrieve(response_id).status == "cancelled"
+    finally:
+        release.set()
