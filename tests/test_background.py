@@ -294,13 +294,13 @@ def test_a_full_pool_answers_503_before_anything_is_stored(upstream: MockUpstrea
             assert info.value.status_code == 503 and info.value.code == "server_overloaded"
             with sqlite3.connect(db) as conn:
                 assert conn.execute("SELECT id FROM responses").fetchall() == [(first.id,)]
-            assert len(upstream.requests) == 1
             release.set()
             _stored_status(db, first.id, "completed")
             time.sleep(0.3)  # the task's reservation closes right after its end is stored
             second = client.responses.create(model="m", input="again", background=True)  # room again
             assert second.status == "queued"
             _stored_status(db, second.id, "completed")
+        assert len(upstream.requests) == 2  # the first and the second: the refused one never went upstream
     finally:
         release.set()
 
