@@ -396,6 +396,23 @@ def _operations() -> JSON:
             width=6,
             height=6,
         ),
+        Panel(
+            "Background responses running",
+            "background: true responses running now, per instance (each holds its reservation and ledger).",
+            ["background_tasks_by_instance"],
+            width=12,
+            height=6,
+        ),
+        Panel(
+            "Background responses ended",
+            "Background responses ended per second, by stored status (completed, incomplete, failed,"
+            " cancelled); failed includes background_worker_lost (a worker's lease passed) and"
+            " server_shutting_down.",
+            ["background_outcomes"],
+            unit="ops",
+            width=12,
+            height=6,
+        ),
         Row("Cap hits", "Requests stopped or cut by a limit, and what the client got."),
         Panel(
             "Cap hits by limit and outcome",

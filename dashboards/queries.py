@@ -249,6 +249,16 @@ _QUERY_LIST: list[Query] = [
         f"sum({_rate('loopwarden_retry_shield_hits_total')})",
         "retry shield hits",
     ),
+    Query(
+        "background_tasks_by_instance",
+        f"sum by (instance) ({_sel('loopwarden_background_tasks')})",
+        "{{instance}}",
+    ),
+    Query(
+        "background_outcomes",
+        f"sum by (outcome) ({_rate('loopwarden_background_outcomes_total')})",
+        "{{outcome}}",
+    ),
     # cap hits and failures
     Query(
         "cap_hits_by_limit_outcome",

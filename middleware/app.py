@@ -5,7 +5,8 @@
 /v1/responses`` with an upgrade: `middleware.asgi.websocket`, each turn through the same guard),
 ``POST /v1/responses/compact`` (`middleware.loop.compact.CompactApp`, behind the same guard), the store routes
 (`middleware.store.routes`: ``/v1/responses/{id}``, ``/input_items``, ``/cancel``,
-``/v1/conversations…``),
+``/v1/conversations…``), background responses (`middleware.loop.background`: their tasks are
+drained in the lifespan's shutdown, before the store closes),
 ``GET /v1/models``, ``GET /healthz``, ``GET /readyz`` and ``GET /metrics``; every failure of a
 plain route, an unknown path (404) and a wrong method (405, with ``Allow``) is answered by
 `middleware.outcomes`. The upstream HTTP client is created in the lifespan (one per process). Without
@@ -41,6 +42,7 @@ from middleware.config import Settings
 from middleware.dev.embedded import BackgroundServer
 from middleware.errors import Failure, MethodNotAllowed, UnknownRoute
 from middleware.loop.app import ResponsesApp
+from middleware.loop.background import BackgroundTasks
 from middleware.loop.compact import CompactApp
 from middleware.loop.compaction import CompactionSeal
 from middleware.ops import metrics
@@ -253,9 +255,11 @@ def create_app(
         state.store = open_store(settings.store)
         await state.store.open()
         metrics.publish_resident_memory(baseline=True)  # before any request: the gateway's own RSS
+        await background.start()
         try:
             yield
         finally:
+            await background.close()  # drains the background tasks while the store is open
             await state.catalog.aclose()  # pooled MCP sessions end (HTTP DELETE, stdio process exits)
             await state.store.close()
             await state.upstream.aclose()
@@ -301,8 +305,16 @@ def create_app(
             **body,
         )
 
+    inner = ResponsesApp(state)
+
+    def get_store() -> Store:
+        assert state.store is not None, "the lifespan opens the store"
+        return state.store
+
+    background = BackgroundTasks(inner, get_store, settings)
     responses = guarded(
-        ResponsesApp(state),
+        inner,
+        background=background,
         shield=RetryShield(
             seconds=settings.retry_shield_seconds,
             max_entries=settings.retry_shield_max_entries,
@@ -335,10 +347,6 @@ def create_app(
             return JSONResponse({"status": "saturated"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    def get_store() -> Store:
-        assert state.store is not None, "the lifespan opens the store"
-        return state.store
-
     def owner_of(request: Request) -> str:
         return authenticator.owner(request.scope)
 
@@ -361,6 +369,7 @@ def create_app(
                 caller_of=authenticator.caller,
                 client_body_timeout=settings.client_body_timeout,
             ),
+            background=background,
         ),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

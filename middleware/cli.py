@@ -157,6 +157,22 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--drain-timeout", type=float, help="seconds in-flight requests get after SIGTERM (default 30)"
     )
     p.add_argument(
+        "--background-lease-seconds",
+        type=float,
+        help="seconds a background response's worker may go silent before another marks it failed (default 30)",
+    )
+    p.add_argument(
+        "--background-event-log-bytes",
+        type=int,
+        help="bytes of SSE events a streamed background response keeps for resuming, oldest dropped "
+        "first, charged to its ledger (default 8388608; 0: no resume)",
+    )
+    p.add_argument(
+        "--background-event-log-retention",
+        type=float,
+        help="seconds a background response's event log is kept after it ends (default 600)",
+    )
+    p.add_argument(
         "--mcp-server",
         action="append",
         help="an operator MCP server, LABEL=URL (streamable HTTP); repeatable. Requests use it with "

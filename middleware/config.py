@@ -85,6 +85,9 @@ class Settings:
     memory_pressure_threshold: float = 0.9
     request_deadline: float = 1800.0
     drain_timeout: float = 30.0
+    background_lease_seconds: float = 30.0
+    background_event_log_bytes: int = 8_388_608
+    background_event_log_retention: float = 600.0
     http: str = "h11"
     header_timeout: float = 10.0
     keepalive_timeout: float = 5.0
@@ -150,6 +153,10 @@ class Settings:
             raise SettingsError(
                 f"mcp_list_cache_bytes must be in 0..=1073741824 (0: never cache), got {self.mcp_list_cache_bytes}"
             )
+        if not 0 <= self.background_event_log_bytes <= 268_435_456:
+            raise SettingsError(
+                f"background_event_log_bytes must be in 0..=268435456 (0: no resume), got {self.background_event_log_bytes}"
+            )
         if not 1 <= self.tool_concurrency <= 100:
             raise SettingsError(f"tool_concurrency must be in 1..=100, got {self.tool_concurrency}")
         if not 0 <= self.retry_shield_seconds <= 3600:
@@ -184,6 +191,8 @@ class Settings:
             "retry_after",
             "request_deadline",
             "drain_timeout",
+            "background_lease_seconds",
+            "background_event_log_retention",
             "header_timeout",
             "keepalive_timeout",
             "websocket_max_lifetime",

@@ -26,6 +26,7 @@ Failure                          base: ``message``, ``param``, ``code`` (rows th
 │   └── CallerShareTooLarge      one reservation larger than a caller's whole share (413)
 ├── CallerShareExhausted         growth refused mid-request by the caller's share (413 / 502, by ``phase``)
 ├── ShuttingDown                 draining: refused, or the drain timeout passed (503)
+├── WorkerLost                   a background response's worker stopped renewing its lease (502, stored failed)
 ├── DeadlineExceeded             --request-deadline passed (504)
 ├── McpServerUnavailable         an MCP server's tools/list failed (502)
 ├── PreviousResponseNotFound     a WebSocket turn's previous_response_id is in neither connection memory nor the store (400)
@@ -216,6 +217,13 @@ class ShuttingDown(Failure):
     def __init__(self, message: str, *, refused: bool) -> None:
         super().__init__(message)
         self.refused = refused
+
+
+class WorkerLost(Failure):
+    """A background response's worker stopped renewing its lease (it died or lost the store) for
+    ``--background-lease-seconds`` (fact ``seconds``): another worker stores it ``failed``."""
+
+    row = "background_worker_lost"
 
 
 class DeadlineExceeded(Failure):

@@ -228,6 +228,10 @@ OUTCOMES: Final[Mapping[str, Row]] = {
         "shutting down: a new request is refused, its body not read (or still being read when the drain timeout passes)",
         503, "server_shutting_down", close=True, retry_after=True, after_commit=False,
     ),
+    "background_worker_lost": Row(
+        "a background response's worker stopped renewing its lease (--background-lease-seconds)",
+        502, "background_worker_lost", after_commit=False,
+    ),
     "mcp_server_unavailable": Row("an MCP server's tools/list fails", 502, "mcp_server_unavailable"),
     "not_found": Row(
         "unknown or another caller's response / conversation / item", 404, "not_found", deterministic=True,

@@ -1,6 +1,6 @@
 """The routes issue 16 adds (item 4) and their outcomes (item 5): ``POST /v1/responses/{id}/cancel``,
 ``POST /v1/conversations/{id}`` (update), ``GET`` / ``DELETE /v1/conversations/{id}/items/{item_id}``
-and the refusal of ``background: true``; plus the bounds of every conversation POST body (body
+and the refusal of ``background: true`` with ``store: false``; plus the bounds of every conversation POST body (body
 clamp, admission, node count and depth, the ledger) and of the one-item read.
 
 The SDK tests run the whole gateway (`create_app`) on a real uvicorn with the official `openai`
@@ -219,18 +219,19 @@ def test_cancel_of_a_foreground_response_is_400_and_unknown_is_404(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_background_true_is_refused_never_run_in_the_foreground(upstream: MockUpstream, stream: bool) -> None:
+def test_background_true_without_store_is_refused_never_run_in_the_foreground(
+    upstream: MockUpstream, stream: bool
+) -> None:
+    body = {"model": "m", "input": "hi", "background": True, "stream": stream, "store": False}
     with gateway(upstream) as (url, _), sdk(url) as client:
         with pytest.raises(openai.BadRequestError) as info:
-            client.responses.create(model="m", input="hi", background=True, stream=stream)  # type: ignore[call-overload]
-        raw = httpx.post(
-            url + "/v1/responses", json={"model": "m", "input": "hi", "background": True, "stream": stream}
-        )
+            client.responses.create(**body)  # type: ignore[call-overload]
+        raw = httpx.post(url + "/v1/responses", json=body)
     err = info.value
-    assert (err.code, err.param, err.type) == ("unsupported_parameter", "background", "invalid_request_error")
-    assert "not supported yet" in err.message
-    assert_envelope(raw, 400, "unsupported_parameter", "background")
-    assert upstream.requests == []  # nothing ran
+    assert (err.code, err.param, err.type) == ("invalid_value", "store", "invalid_request_error")
+    assert "background: true requires store: true" in err.message
+    assert_envelope(raw, 400, "invalid_value", "store")
+    assert upstream.requests == []  # nothing ran (background mode itself: tests/test_background.py)
 
 
 def test_background_false_runs_as_usual(upstream: MockUpstream) -> None:

@@ -41,6 +41,10 @@ UNDECLARED_METRICS: Mapping[str, str] = {
     "loopwarden_dropped_writes_total": "issue 20 (log hygiene): counter, no labels",
     "loopwarden_compactions_total": "issue 24 (compaction): counter, labels mode (upstream, gateway), "
     "outcome (ok, failed, fallback)",
+    "loopwarden_background_tasks": "issue 23 (background responses): gauge, no labels; running here now",
+    "loopwarden_background_outcomes_total": (
+        "issue 23 (background responses): counter, `outcome` (completed, incomplete, failed, cancelled)"
+    ),
 }
 #: Cap-hit ``limit`` values DESIGN.md §8 adds for the second batch, not built yet. The WebSocket
 #: and translation values belong to those capabilities. (``caller_share``, issue "memory truth",

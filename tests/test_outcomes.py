@@ -118,6 +118,7 @@ EXAMPLES: dict[str, tuple[BaseException, int, str]] = {
     "unknown_url": (errors.UnknownRoute("no route"), 404, "unknown_url"),
     "method_not_allowed": (errors.MethodNotAllowed("no", allow="GET, DELETE"), 405, "method_not_allowed"),
     "store_unavailable": (StoreUnavailable("db down"), 503, "store_unavailable"),
+    "background_worker_lost": (errors.WorkerLost("lease passed", seconds=30), 502, "background_worker_lost"),
     "internal": (RuntimeError("a bug"), 500, "internal_error"),
     "previous_response_not_found": (
         errors.PreviousResponseNotFound("not found", param="previous_response_id"),

@@ -169,9 +169,9 @@ def test_continuation_and_stored_objects_conform(dev_url: str) -> None:
         (
             "POST",
             "/v1/responses",
-            b'{"model": "dev", "input": "hi", "background": true}',
+            b'{"model": "dev", "input": "hi", "background": true, "store": false}',
             400,
-            "unsupported_parameter",
+            "invalid_value",
         ),
         ("POST", "/v1/responses/resp_unknown/cancel", b"", 404, "not_found"),
         ("GET", "/v1/responses/resp_unknown/cancel", b"", 405, "method_not_allowed"),

@@ -612,8 +612,8 @@ def test_two_stores_on_one_database_share_a_conversation(
         first, second = open_store(url), open_store(url)
         await asyncio.gather(first.open(), second.open())  # concurrent migrations
         try:
-            assert await first.schema_version() == await second.schema_version() == 2
-            assert await raw_rows(first, "SELECT COUNT(*) FROM schema_migrations") == [(2,)]
+            assert await first.schema_version() == await second.schema_version() == 3
+            assert await raw_rows(first, "SELECT COUNT(*) FROM schema_migrations") == [(3,)]
             cid = (await first.create_conversation("alice", items=[], metadata=None))["id"]
             await asyncio.gather(
                 *(
@@ -638,11 +638,12 @@ def test_two_stores_on_one_database_share_a_conversation(
 def test_migrations_are_idempotent(store_url: str) -> None:
     async def main() -> None:
         async with open_store(store_url) as store:
-            assert await store.schema_version() == 2
+            assert await store.schema_version() == 3
             assert await store._migrate() == []  # nothing left to apply
             assert await raw_rows(store, "SELECT version FROM schema_migrations ORDER BY version") == [
                 (1,),
                 (2,),
+                (3,),
             ]
             await store.save_response(
                 response("resp_1"), input_items=[user("x")], output_items=[], replay_items=[]
@@ -650,7 +651,7 @@ def test_migrations_are_idempotent(store_url: str) -> None:
             if store_url == "memory":
                 return
         async with open_store(store_url) as store:  # a restart keeps the data, applies nothing
-            assert await raw_rows(store, "SELECT COUNT(*) FROM schema_migrations") == [(2,)]
+            assert await raw_rows(store, "SELECT COUNT(*) FROM schema_migrations") == [(3,)]
             assert await store.load_chain("resp_1", "alice") == [user("x")]
             await store.backend.run(
                 single("INSERT INTO schema_migrations (version, name, applied_at) VALUES (99, 'future', 0)"),

@@ -17,6 +17,11 @@ caller's identical request with it again (`middleware.errors.ShieldHit`). A clie
 gets nothing more: it is counted and stored as gone (`outcomes.record_client_gone`,
 ``cancelled``), and uvicorn closes the connection when the app returns.
 
+An admitted ``background: true`` request is handed to the worker's `BackgroundTasks`
+(`middleware.loop.background`): it stores the response ``queued``, takes over the ledger and the
+reservation, and supervises the task itself; the guard only answers the client from it (and
+settles a failure to store the ``queued`` row, e.g. 503 ``store_unavailable``).
+
 Every request is counted (``loopwarden_requests_total`` before its last byte leaves,
 ``loopwarden_inflight_requests``, ``loopwarden_client_disconnects_total``, the retained-bytes peak
 and utilisation histograms).
@@ -29,7 +34,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -46,6 +51,9 @@ from middleware.ops import metrics
 from middleware.ops.admission import DRAIN, DrainState, ProcessPool
 from middleware.ops.request_id import REQUEST_ID
 from middleware.ops.shield import Remembered, RetryShield
+
+if TYPE_CHECKING:
+    from middleware.loop.background import BackgroundTasks
 
 log = logging.getLogger("loopwarden")
 
@@ -71,6 +79,9 @@ class BudgetMiddleware:
     the request ends as a client disconnect. ``validate`` and ``create``: what the body is
     (`IntakeConfig`; the defaults: a create request).
     ``shield``: the worker's retry shield (None: off).
+    ``background``: the worker's background tasks (`middleware.loop.background`), which take
+    over an admitted ``background: true`` request (None: such a request runs as a foreground one
+    would — the app always passes it).
     """
 
     def __init__(
@@ -91,9 +102,11 @@ class BudgetMiddleware:
         validate: Callable[[dict[str, Any]], None] = validate_request,
         create: bool = True,
         shield: RetryShield | None = None,
+        background: BackgroundTasks | None = None,
     ) -> None:
         self.app = app
         self.shield = shield
+        self.background = background
         self.authenticator = authenticator or Authenticator(())
         self.pool = pool or ProcessPool(1 << 62)
         self.request_deadline = request_deadline
@@ -172,6 +185,9 @@ class _Guard:
             except Exception as exc:
                 await self._settle(exc, None)
                 return
+            if self.mw.background is not None and ctx.request.get("background") is True:
+                await self._background(self.mw.background, ctx)
+                return
             await self._run_inner(ctx)
         finally:
             metrics.INFLIGHT.dec()
@@ -246,6 +262,16 @@ class _Guard:
         failure = ended if ended is not None else work.result()
         if failure is not None:
             await self._settle(failure, ctx)
+
+    async def _background(self, background: BackgroundTasks, ctx: RequestContext) -> None:
+        """Hand the admitted request to a background task (it takes the ledger and the
+        reservation once its ``queued`` row is stored), then answer the client from it."""
+        try:
+            task = await background.launch(ctx, self.intake)
+        except Exception as exc:
+            await self._settle(exc, ctx)
+            return
+        await background.answer(task, self.client, self.receive)
 
     async def _inner(self, scope: Scope) -> Exception | None:
         """Run the inner app; what it raised (None when it answered)."""

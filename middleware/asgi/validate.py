@@ -3,8 +3,8 @@
 `validate_request(request)` raises `InvalidRequest` (400) whose ``param`` names the field and
 whose message says what to change. It checks only what the gateway relies on or what an upstream
 would otherwise answer with a 500: types of the fields it reads, and finite, in-range numbers; and
-it refuses ``background: true`` (400 ``unsupported_parameter``) until background mode exists,
-rather than run such a request in the foreground.
+``background: true`` with ``store: false`` (400, as OpenAI answers: a background response is
+stored).
 """
 
 from __future__ import annotations
@@ -64,13 +64,12 @@ def validate_request(request: dict[str, Any]) -> None:
     for flag in ("stream", "store", "parallel_tool_calls", "background"):
         if flag in request and request[flag] is not None and not isinstance(request[flag], bool):
             raise InvalidRequest(f"{flag} must be true or false", code="invalid_type", param=flag)
-    if request.get("background") is True:
+    if request.get("background") is True and request.get("store") is False:
         raise InvalidRequest(
-            "background: true is not supported yet by this gateway: it would run the response in the "
-            "foreground instead; send background: false (or leave it out) and keep the connection open, "
-            "or use stream: true to see progress",
-            code="unsupported_parameter",
-            param="background",
+            "background: true requires store: true (a background response is stored so that it can be "
+            "polled, cancelled and resumed); send store: true or leave store out",
+            code="invalid_value",
+            param="store",
         )
     if "tools" in request and request["tools"] is not None:
         tools = request["tools"]

@@ -11,6 +11,10 @@ One job per module:
 * `echo` — `normalise_response`: the echo fields an upstream omitted, filled from the request.
 * `approvals` — `pending_approvals`, `check_call_pairs`: new input settled against the history.
 * `context` — `RequestContext`: the admitted request as the intake hands it to the loop.
+* `background` — `BackgroundTasks`: ``background: true`` responses as tasks (heartbeat, cancel, drain).
+* `supervise` — `Supervisor`: a background task's deadline, drain and cancel; `serve_follower`.
+* `eventlog` — `EventLog`: a streamed background response's SSE frames (a bounded window); `follow`.
+* `resume` — ``GET /v1/responses/{id}?stream=true&starting_after=N``.
 
 Nothing is re-exported here: import from the module.
 """

@@ -85,7 +85,7 @@ class AgentLoop:
         self.client = ctx.client
         self.resolved = resolved
         self.rounds = 0  # inference calls made so far
-        self.response_id = new_id("resp")
+        self.response_id = ctx.response_id or new_id("resp")
         self.request = ctx.request
         self.input_items = as_input_items(self.request.get("input"))  # as the client sent them
         self.new_input: list[dict[str, Any]] = []  # the input in upstream form (`_prepare`)
@@ -116,6 +116,7 @@ class AgentLoop:
             input_items=self.input_items,
             items=self.items,
             replay=self.replay,
+            background=ctx.response_id is not None and self.request.get("background") is True,
         )
         self.rounds_observed = False
         self._round_acc: StreamAccumulator | None = None

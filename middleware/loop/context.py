@@ -47,6 +47,8 @@ class RequestContext:
     ``memory``: the connection-local memory of the WebSocket connection this request is a turn
     of (None: an HTTP request). ``created_at``: epoch seconds at admission, what every response
     object of this request says when the upstream sent no ``created_at``.
+    ``response_id``: the id the response object gets (None: the loop makes one; a background
+    response's was stored ``queued`` before the loop started, `middleware.loop.background`).
     """
 
     ledger: Ledger
@@ -62,6 +64,7 @@ class RequestContext:
     hooks: RequestHooks = dataclasses.field(default_factory=RequestHooks)
     memory: ConnectionMemory | None = None
     created_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    response_id: str | None = None
 
 
 def context_of(scope: MutableMapping[str, Any]) -> RequestContext:

@@ -162,7 +162,8 @@ def upstream_body(
     gateway's `tools` (MCP tools as function tools), the items so far as ``input`` (the client's
     own string when `keep_text` and nothing was added), ``store: false`` and no
     ``previous_response_id`` / ``conversation`` / ``max_tool_calls`` (the gateway owns the
-    history), ``reasoning.encrypted_content`` included, and ``tool_choice`` — on the first round
+    history) nor ``background`` (the gateway runs background responses itself),
+    ``reasoning.encrypted_content`` included, and ``tool_choice`` — on the first round
     `tool_choice` (default: the client's own; None leaves it out), after it `later_tool_choice`
     (``"auto"``; `middleware.loop.choice` gives both) — `rounds` is this call's number, from 1.
     Raises `UpstreamInvalid` when the items so far hold a number JSON cannot carry
@@ -173,7 +174,7 @@ def upstream_body(
     raw_input = request.get("input")
     body["input"] = raw_input if isinstance(raw_input, str) and keep_text else items
     body["store"] = False
-    for field in ("max_tool_calls", "previous_response_id", "conversation"):
+    for field in ("max_tool_calls", "previous_response_id", "conversation", "background"):
         body.pop(field, None)
     include = body.get("include")
     include = list(include) if isinstance(include, list) else []
@@ -203,7 +204,7 @@ def final_response(
 ) -> dict[str, Any]:
     """The client's response object: the last round's terminal response with the gateway's id,
     every round's visible `items`, the client's own ``tools`` (secrets null), ``tool_choice``,
-    ``store``, ``previous_response_id`` / ``conversation`` (from `restored`), the summed `usage`,
+    ``store``, ``background``, ``previous_response_id`` / ``conversation`` (from `restored`), the summed `usage`,
     and ``incomplete`` (a reason) when the loop ended incomplete (DESIGN.md §6); echo fields the
     upstream left out are filled from the request (`normalise_response`; ``created_at`` its)."""
     final = dict(terminal)
@@ -213,6 +214,8 @@ def final_response(
     final["tools"] = public_tools(request.get("tools"))
     final["tool_choice"] = request.get("tool_choice", "auto")
     final["store"] = store
+    final["background"] = request.get("background") is True  # never forwarded upstream
+    final["background"] = request.get("background") is True  # never forwarded upstream
     final["previous_response_id"] = restored.previous_response_id
     if restored.conversation_id is not None:
         final["conversation"] = {"id": restored.conversation_id}

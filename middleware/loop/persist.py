@@ -27,6 +27,9 @@ class ResponseRecorder:
     ``store``: the store, or None when the request has ``store`` off (then nothing is stored).
     ``items``, ``replay``: the loop's lists (read when storing). ``restored``: set by the loop
     once the history is restored (its ``previous_response_id`` / ``conversation_id``).
+    ``background``: the response is already stored ``queued`` / ``in_progress``
+    (`middleware.loop.background`): its end is stored over that row — unless a cancel, a lease
+    expiry or a shutdown stored its end first.
     """
 
     def __init__(
@@ -39,6 +42,7 @@ class ResponseRecorder:
         input_items: list[dict[str, Any]],
         items: list[dict[str, Any]],
         replay: list[dict[str, Any]],
+        background: bool = False,
     ) -> None:
         self.store = store
         self.response_id = response_id
@@ -48,6 +52,7 @@ class ResponseRecorder:
         self.items = items
         self.replay = replay
         self.restored = Restored([])
+        self.background = background
         self.done = False
 
     async def finished(self, response: dict[str, Any]) -> None:
@@ -93,8 +98,14 @@ class ResponseRecorder:
             request=params,
         )
         try:
-            await self.store.save_response(
-                stored, input_items=self.input_items, output_items=self.items, replay_items=self.replay
+            saved = await self.store.save_response(
+                stored,
+                input_items=self.input_items,
+                output_items=self.items,
+                replay_items=self.replay,
+                replace_pending=self.background,
             )
+            if not saved:
+                log.info("background response %s had already ended (%s not stored)", self.response_id, status)
         except (ValueError, OverflowError, ConversationNotFound) as exc:
             log.warning("response %s was not stored: %s", self.response_id, exc)

@@ -1,7 +1,8 @@
 """`StreamStitcher`: the SSE events of every round as one logical client stream (DESIGN.md §6).
 
 One ``response.created`` and ``response.in_progress`` (the gateway's response id, the client's
-tools echoed with MCP secrets as null), ``sequence_number`` from 0 (the `ClientStream` numbers),
+tools echoed with MCP secrets as null; a background response's ``response.created`` is
+``queued`` and a ``response.queued`` follows it, as OpenAI streams them), ``sequence_number`` from 0 (the `ClientStream` numbers),
 ``output_index`` offset by earlier rounds, gateway ``function_call`` events hidden and replaced by
 ``mcp_call`` lifecycle events, upstream terminal events held back, and exactly one terminal event
 (`terminal`) — then ``data: [DONE]``. It sets the `ClientStream`'s ``snapshot`` to the response so
@@ -65,6 +66,7 @@ class StreamStitcher:
         public["tool_choice"] = self.request.get("tool_choice", "auto")
         public["previous_response_id"] = self.request.get("previous_response_id")
         public["store"] = self.request.get("store") is not False  # the client's, not the upstream call's
+        public["background"] = self.request.get("background") is True
         normalise_response(public, self.request, created_at=self.created_at)
         return public
 
@@ -109,8 +111,12 @@ class StreamStitcher:
         if not self.created:
             self.created = True
             self.summary = response_summary(response)
-            created = {**self._public_response(response), "status": "in_progress", "output": []}
+            background = self.request.get("background") is True
+            status = "queued" if background else "in_progress"
+            created = {**self._public_response(response), "status": status, "output": []}
             await self._emit("response.created", {"type": "response.created", "response": created})
+            if background:  # OpenAI's background stream: created (queued), queued, then in_progress
+                await self._emit("response.queued", {"type": "response.queued", "response": dict(created)})
 
     async def forward(self, event: UpstreamEvent) -> None:
         """Forward, rewrite or hide one upstream event of the current round (terminal events are held)."""

@@ -146,6 +146,8 @@ UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
 )
 #: ``loopwarden_tool_calls_total{outcome}``.
 TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "refused", "invalid_arguments", "too_large")
+#: ``loopwarden_background_outcomes_total{outcome}``: the stored status a background response ended with.
+BACKGROUND_OUTCOMES: tuple[str, ...] = ("completed", "incomplete", "failed", "cancelled")
 #: ``loopwarden_stream_errors_total{code}``: the codes the gateway itself can send after commit,
 #: i.e. ``middleware.outcomes.stream_error_codes()`` (its rows that can happen after commit).
 #: Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded strings and are
@@ -424,6 +426,18 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {"mode": COMPACT_MODES, "outcome": COMPACT_OUTCOMES},
     ),
     MetricSpec(
+        "loopwarden_background_tasks",
+        "gauge",
+        "Background responses (background: true) running on this worker now.",
+        {},
+    ),
+    MetricSpec(
+        "loopwarden_background_outcomes_total",
+        "counter",
+        "Background responses ended, by stored status (completed, incomplete, failed, cancelled).",
+        {"outcome": BACKGROUND_OUTCOMES},
+    ),
+    MetricSpec(
         "loopwarden_memory_pressure_ratio",
         "gauge",
         "Used / allowed memory (cgroup memory.current / memory.max, else RSS / RAM), as last polled.",
@@ -487,6 +501,9 @@ def cap_hit(limit: str, outcome: str) -> None:
     CAP_HITS.labels(limit=limit, outcome=outcome, transport=TRANSPORT.get()).inc()
 
 
+BACKGROUND_TASKS = _gauge("loopwarden_background_tasks", "livesum")
+BACKGROUND_OUTCOMES_TOTAL = _counter("loopwarden_background_outcomes_total")
+
 _STREAM_ERROR_CODES = frozenset(STREAM_ERROR_CODES)
 
 
@@ -510,6 +527,8 @@ def _preinitialise() -> None:
         STREAM_ERRORS.labels(code=code)
     for mode, outcome in COMPACT_PAIRS:
         COMPACTIONS.labels(mode=mode, outcome=outcome)
+    for outcome in BACKGROUND_OUTCOMES:
+        BACKGROUND_OUTCOMES_TOTAL.labels(outcome=outcome)
 
 
 _preinitialise()

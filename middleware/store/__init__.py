@@ -4,6 +4,7 @@
   (`StoredResponse`, `ChainInfo`, `Page`; `SECRET_TOOL_FIELDS` are never stored).
 * `backends` — the SQLite and PostgreSQL backends, units of `Work`, and the `StoreError` tree.
 * `schema` — the versioned migrations, the same on both backends.
+* `background` — `BackgroundStore`: background task rows (lease, cancel flag) and event logs.
 * `history` — `restore_history`: admit a stored history's size summed in SQL, then load it (`Restored`).
 * `routes` — `store_routes`: ``/v1/responses/{id}…`` and ``/v1/conversations…``; their failures are
   answered by `middleware.outcomes`.

@@ -5,8 +5,10 @@
 ==========================================  ==================================================
 ``GET    /v1/responses/{id}``               the stored response object
 ``DELETE /v1/responses/{id}``               ``{"id", "object": "response", "deleted": true}``
-``POST   /v1/responses/{id}/cancel``        400: only background responses can be cancelled, and
-                                            this gateway runs none yet (404 for an unknown id)
+``GET    /v1/responses/{id}?stream=true``   a streamed background response's events after
+                                            ``starting_after`` (`middleware.loop.resume`)
+``POST   /v1/responses/{id}/cancel``        a background response: cancel it, answer the stored
+                                            response; 400 for a foreground one, 404 unknown
 ``GET    /v1/responses/{id}/input_items``   the response's input items, a cursor list
 ``POST   /v1/conversations``                create (``{"items": [...], "metadata": {...}}``)
 ``GET    /v1/conversations/{id}``           the conversation object
@@ -66,7 +68,7 @@ one is set.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -78,7 +80,18 @@ from middleware.store.bodies import read_json_body
 from middleware.store.reads import StoreRead, StoreReads
 from middleware.store.store import MAX_LIMIT, MIN_LIMIT, Order, Page, Store, UnknownCursor, encode_json
 
-__all__ = ["MAX_BODY_BYTES", "MAX_ITEMS_PER_CALL", "store_routes"]
+__all__ = ["MAX_BODY_BYTES", "MAX_ITEMS_PER_CALL", "BackgroundRoutes", "store_routes"]
+
+
+class BackgroundRoutes(Protocol):
+    """What the routes need of the background tasks (`middleware.loop.background.BackgroundTasks`):
+    ``cancel`` answers the stored response after a cancel (None: not a background response of
+    ``owner``); ``resume`` the streaming answer of ``GET ...?stream=true`` (raises its refusals)."""
+
+    async def cancel(self, response_id: str, owner: str) -> bytes | None: ...
+
+    async def resume(self, request: Request, owner: str) -> Response: ...
+
 
 #: Largest POST body accepted by the conversation routes (bytes).
 MAX_BODY_BYTES = 1 << 20
@@ -204,11 +217,13 @@ def store_routes(
     *,
     reads: StoreReads,
     max_body_bytes: int = MAX_BODY_BYTES,
+    background: BackgroundRoutes | None = None,
 ) -> list[Route]:
     """The routes of the module docstring. ``get_store()`` is called per request (so the store
     may be opened in the application's lifespan); ``owner_of(request)`` names the caller (what it
     raises, e.g. a 401, is answered like the routes' own failures); ``reads`` admits the reads
-    (the gateway's admission pool and limits)."""
+    (the gateway's admission pool and limits); ``background`` serves the cancel and resume of
+    background responses (`middleware.loop.background.BackgroundTasks`; None: there are none)."""
 
     Handler = Callable[[Request, Store, str], Awaitable[Response]]
     ReadHandler = Callable[[Request, Store, str, StoreRead], Awaitable[bytes]]
@@ -246,8 +261,6 @@ def store_routes(
 
     async def get_response(request: Request, store: Store, owner: str, read: StoreRead) -> bytes:
         response_id = request.path_params["response_id"]
-        if request.query_params.get("stream", "false").lower() == "true":
-            _bad("Streaming a stored response is not supported; retrieve it without 'stream'.", "stream")
         size = await store.response_size(response_id, owner)
         if size is None:
             _not_found("Response", response_id)
@@ -256,6 +269,15 @@ def store_routes(
         if body is None:  # deleted meanwhile
             _not_found("Response", response_id)
         return body
+
+    get_stored = reading(get_response)
+
+    async def get_or_stream_response(request: Request, store: Store, owner: str) -> Response:
+        if request.query_params.get("stream", "false").lower() != "true":
+            return await get_stored(request, store, owner)
+        if background is None:
+            _bad("Streaming a stored response is not supported; retrieve it without 'stream'.", "stream")
+        return await background.resume(request, owner)
 
     async def delete_response(request: Request, store: Store, owner: str) -> Response:
         response_id = request.path_params["response_id"]
@@ -343,13 +365,17 @@ def store_routes(
 
     async def cancel_response(request: Request, store: Store, owner: str) -> Response:
         response_id = request.path_params["response_id"]
+        if background is not None:
+            body = await background.cancel(response_id, owner)
+            if body is not None:
+                return Response(body, media_type="application/json")
         status = await store.response_status(response_id, owner)
         if status is None:
             _not_found("Response", response_id)
         raise InvalidRequest(
             f"Only responses created with background=true can be cancelled; the response '{response_id}' "
             f"ran in the foreground (it is {status}), so there is nothing to cancel. A foreground request "
-            "stops when its client closes the connection; this gateway does not run background responses yet.",
+            "stops when its client closes the connection.",
             code="invalid_request",
         )
 
@@ -357,7 +383,7 @@ def store_routes(
     return [
         _by_method(
             "/v1/responses/{response_id}",
-            GET=endpoint(reading(get_response)),
+            GET=endpoint(get_or_stream_response),
             DELETE=endpoint(delete_response),
         ),
         _by_method("/v1/responses/{response_id}/input_items", GET=endpoint(reading(list_input_items))),

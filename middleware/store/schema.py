@@ -40,6 +40,11 @@ Schema version 2 adds ``responses.size_bytes`` (BIGINT): the length in bytes of 
 ``response`` text, measured when it is written, so a read is admitted before the text is fetched
 (`Store.response_size`). Rows written before version 2 hold NULL there.
 
+Schema version 3 adds the background tables (`middleware.store.background`):
+``background_tasks`` (one row per ``background: true`` response: the worker running it, its lease,
+the cancel request, when it ended) and ``background_events`` (the SSE frames of a streamed one,
+for ``GET /v1/responses/{id}?stream=true&starting_after=N``).
+
 A new migration is appended with the next version; released migrations never change.
 """
 
@@ -127,8 +132,34 @@ _V1 = (
 
 _V2 = ("ALTER TABLE responses ADD COLUMN size_bytes BIGINT",)
 
+_V3 = (
+    """
+    CREATE TABLE background_tasks (
+        response_id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        worker TEXT NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('running', 'done')),
+        stream INTEGER NOT NULL,
+        lease_until BIGINT NOT NULL,
+        cancel_requested INTEGER NOT NULL DEFAULT 0,
+        finished_at BIGINT
+    )
+    """,
+    "CREATE INDEX background_tasks_lease ON background_tasks (state, lease_until)",
+    "CREATE INDEX background_tasks_worker ON background_tasks (worker, state)",
+    """
+    CREATE TABLE background_events (
+        response_id TEXT NOT NULL,
+        seq BIGINT NOT NULL,
+        frame TEXT NOT NULL,
+        PRIMARY KEY (response_id, seq)
+    )
+    """,
+)
+
 #: Every migration, oldest first. Applied in order at ``await store.open()``.
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial: responses, items, conversations", _V1),
     Migration(2, "responses.size_bytes: the stored response's size, for admitting reads", _V2),
+    Migration(3, "background responses: tasks (worker, lease, cancel) and their event logs", _V3),
 )

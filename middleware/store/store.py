@@ -429,6 +429,13 @@ INSERT INTO responses (id, owner, created_at, status, model, previous_response_i
                        error, request, usage, response, size_bytes)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
+#: A background response's end, over its ``queued`` / ``in_progress`` row (the columns of
+#: `_INSERT_RESPONSE` after ``owner``, then id and owner).
+_REPLACE_PENDING = """
+UPDATE responses SET created_at = ?, status = ?, model = ?, previous_response_id = ?, conversation_id = ?,
+                     error = ?, request = ?, usage = ?, response = ?, size_bytes = ?
+WHERE id = ? AND owner = ? AND status IN ('queued', 'in_progress') RETURNING id
+"""
 _INSERT_ITEM = """
 INSERT INTO items (response_id, role, seq, item_id, type, item, size_bytes, node_count)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?)
@@ -528,8 +535,15 @@ class Store:
         input_items: list[JsonObject],
         output_items: list[JsonObject],
         replay_items: list[JsonObject],
-    ) -> None:
-        """Store a finished response and its items in ONE transaction.
+        replace_pending: bool = False,
+        extra: tuple[Fetch, ...] = (),
+    ) -> bool:
+        """Store a finished response and its items in ONE transaction; return whether it was stored.
+
+        ``replace_pending`` (a background response, `middleware.store.background`): the row is
+        already stored ``queued`` / ``in_progress`` and is updated in place instead, only while it
+        still has one of those statuses (False, nothing stored, when a cancel, a lease expiry or a
+        shutdown stored its end first). ``extra``: statements run in the same transaction after it.
 
         When ``resp.conversation_id`` is set, the input, output and replay items are appended
         to that conversation in the same transaction (the output shown by list calls, the
@@ -583,9 +597,16 @@ class Store:
         ]
         conversation_id = resp.conversation_id
 
-        def work() -> Work[None]:
-            yield Fetch(_INSERT_RESPONSE, row)
+        def work() -> Work[bool]:
+            if replace_pending:
+                updated = yield Fetch(_REPLACE_PENDING, (*row[2:], resp.id, resp.owner))
+                if not updated:
+                    return False
+            else:
+                yield Fetch(_INSERT_RESPONSE, row)
             yield ExecuteMany(_INSERT_ITEM, item_rows)
+            for statement in extra:  # noqa: UP028 (the backend sends rows back: a tuple cannot take them)
+                yield statement
             if conversation_id is not None:
                 flat = [(role, p) for role, prepared in roles for p in prepared]
                 first = yield from _allocate(conversation_id, resp.owner, len(flat))
@@ -594,9 +615,10 @@ class Store:
                 yield _insert_conversation_items(
                     conversation_id, first, flat, response_id=resp.id, created_at=int(time.time())
                 )
+            return True
 
         try:
-            await self.backend.run(work(), write=True)
+            return await self.backend.run(work(), write=True)
         except UniqueViolation as exc:
             raise DuplicateId("response", resp.id) from exc
 
