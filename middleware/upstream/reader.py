@@ -22,13 +22,14 @@ import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from budget import JsonNodeCounter, JsonTooDeep, Ledger
+from budget import BudgetExceeded, JsonNodeCounter, JsonTooDeep, Ledger, PoolExhausted
 from middleware.upstream.errors import (
     UpstreamBodyTooLarge,
     UpstreamIncomplete,
     UpstreamInvalid,
     stream_error_failure,
 )
+from middleware.upstream.fastpath import regular_prefix
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
 
@@ -114,8 +115,17 @@ async def read_stream_events(
     ledger: Ledger,
     *,
     client: ClientStream | None = None,
+    on_run: Callable[[bytes, int], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[UpstreamEvent, None]:
     """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
+
+    With ``on_run`` (and a ``client``; the pass-through's forwarding): the fast path. Each read
+    that starts at a frame boundary is first scanned for its regular frames
+    (`middleware.upstream.fastpath.regular_prefix`: frames the exact path would forward as
+    received); when the ledger's one bound for the read fits (`budget.Ledger.stream_read_fits`)
+    and the pool has room for the widest frame, those frames are handed to ``on_run(frames,
+    count)`` as one slice and yield no event; the rest of the read, from its first irregular
+    frame, goes through the exact per-frame path below.
 
     With a `ClientStream` (``client``): it is flushed each time every event of the bytes received
     so far has been handed out, before waiting for more; and while the gateway waits for upstream
@@ -130,6 +140,7 @@ async def read_stream_events(
     chunks = response.chunks()
     timer = _KeepaliveTimer(client.keepalive, client.keepalive_interval, client.last_sent) if client else None
     idle = client.flush if client is not None else None
+    fast = _FastPath(ledger, client, on_run) if on_run is not None and client is not None else None
     held = 0  # retained charge for the bytes of the incomplete frame (32 x parser.pending)
     frame = 0  # retained charge for the frame being handed out
     ended = False
@@ -140,8 +151,9 @@ async def read_stream_events(
             if timer is not None:
                 timer.arm()
             try:
-                chunk = await anext(chunks)
-                pieces = [chunk] if len(chunk) <= SLICE else _slices(chunk)
+                raw = await anext(chunks)
+                chunk = await fast.forward(raw) if fast is not None and not parser.pending else raw
+                pieces = [] if raw and not chunk else [chunk] if len(chunk) <= SLICE else _slices(chunk)
             except StopAsyncIteration:
                 ended, pieces = True, [b""]  # end of stream: settle a held CR
             if timer is not None:
@@ -175,6 +187,38 @@ async def read_stream_events(
             timer.cancel()
         with contextlib.suppress(Exception):
             await chunks.aclose()  # type: ignore[attr-defined]
+
+
+class _FastPath:
+    """The fast path of one stream (`read_stream_events` with ``on_run``): `forward` hands the
+    regular frames at the start of a read to ``on_run`` and returns the rest of the read."""
+
+    __slots__ = ("_client", "_ledger", "_names", "_on_run")
+
+    def __init__(
+        self, ledger: Ledger, client: ClientStream, on_run: Callable[[bytes, int], Awaitable[None]]
+    ) -> None:
+        self._ledger = ledger
+        self._client = client
+        self._on_run = on_run
+        self._names: dict[bytes, str] = {}  # event names found regular in this stream
+
+    async def forward(self, chunk: bytes) -> bytes:
+        """Forward the regular frames at the start of `chunk` (an upstream read that starts at a
+        frame boundary) when the read's one ledger bound fits and the pool has room; return what
+        is left for the exact path (all of `chunk` when nothing went)."""
+        end, count, widest = regular_prefix(chunk, self._client.next_sequence, self._names)
+        if not count or not self._ledger.stream_read_fits(len(chunk), widest):
+            return chunk
+        try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
+            charge = self._ledger.admit_stream_bytes(widest)
+        except (BudgetExceeded, PoolExhausted):
+            return chunk  # left unchanged: the exact path meets the same refusal, at its frame
+        try:
+            await self._on_run(chunk if end == len(chunk) else chunk[:end], count)
+        finally:
+            self._ledger.release(charge)
+        return chunk[end:]
 
 
 def _slices(chunk: bytes) -> list[bytes]:
@@ -259,7 +303,7 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
     data = event.data
     if not data.strip() or data == b"[DONE]":
         return None
-    ledger.check_stream_frame(data)
+    ledger.check_stream_frame_bounded(data)
     try:
         obj = loads_upstream(data)
     except UnicodeDecodeError:
@@ -351,15 +395,20 @@ async def read_round(
     client: ClientStream | None = None,
     acc: StreamAccumulator | None = None,
     on_event: Callable[[UpstreamEvent], Awaitable[None]] | None = None,
+    on_run: Callable[[bytes, int], Awaitable[None]] | None = None,
 ) -> str:
     """Read one streamed round up to its terminal event (`read_stream_events`, closed as soon as
     the round ends, however it ends, so what the reader holds is released then): each event is
-    kept by `acc` and handed to `on_event` (forwarding); returns the terminal event's type.
+    kept by `acc` and handed to `on_event` (forwarding); returns the terminal event's type. With
+    `on_run` (forwarding without `acc`): runs of regular frames go to it as received instead
+    (`read_stream_events`' fast path).
 
     Raises `UpstreamStreamError` for an in-band ``error`` event, `UpstreamIncomplete` when the
     stream ends without a terminal event, and whatever the reader raises.
     """
-    async with contextlib.aclosing(read_stream_events(response, ledger, client=client)) as events:
+    async with contextlib.aclosing(
+        read_stream_events(response, ledger, client=client, on_run=on_run)
+    ) as events:
         async for event in events:
             if event.type == "error":
                 raise stream_error_failure(event.obj)
