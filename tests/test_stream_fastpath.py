@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from budget import BudgetExceeded, ChargeModel, Ledger
 from middleware.asgi.client_stream import ClientStream
 from middleware.upstream.errors import UpstreamError
-from middleware.upstream.fastpath import regular_prefix
+from middleware.upstream.fastpath import _frame_by_frame, regular_prefix
 from middleware.upstream.reader import UpstreamEvent, read_round
 
 
@@ -105,6 +105,9 @@ _IRREGULAR: list[bytes] = [
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"\\ud800"}'),
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"\\ud83d\\ude00"}'),
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a\tb"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a\x01b"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a\rb"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ}\x0c'),
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":' + b"[" * 300 + b"]" * 300 + b"}"),
     _frame("x.delta", b"[1,2]"),
     _frame("x.delta", b"[DONE]"),
@@ -192,23 +195,32 @@ def test_a_regular_stream_goes_in_one_run_per_read_byte_for_byte() -> None:
     assert out == body  # already numbered 0..100: every frame as received
 
 
-def test_the_fast_path_stops_at_the_first_irregular_frame_and_resumes_on_the_next_read() -> None:
+def test_the_fast_path_stops_at_the_first_irregular_frame_and_resumes_after_it() -> None:
     head = b"".join(_delta(i) for i in range(3))
     renumbered = _delta(40)  # the client's next number is 3: re-encoded with 3
     reads = [head + renumbered + _delta(4), b"".join(_delta(i) for i in range(5, 8)) + _terminal(8)]
     out, outcome, runs = run_stream(reads, fast=True, limit=64 << 20)
     assert outcome == "response.completed"
-    assert runs == 2
+    assert runs == 3  # 0-2; 4 after the renumbered frame; the second read
     assert out == head + _delta(3) + b"".join(_delta(i) for i in range(4, 8)) + _terminal(8)
 
 
-def test_a_read_whose_bound_does_not_fit_takes_the_exact_path_with_its_outcome() -> None:
-    body = b"".join(_delta(i, "x" * 2000) for i in range(20)) + _TERMINAL
-    limit = 48 * len(_delta(0, "x" * 2000)) + 512 * 2100  # one frame fits, the whole read does not
+def test_frames_take_the_exact_path_until_the_bound_for_the_rest_of_the_read_fits() -> None:
+    frame = len(_delta(0, "x" * 2000))
+    body = b"".join(_delta(i, "x" * 2000) for i in range(20)) + _terminal(20)
+    limit = 48 * 5 * frame + 512 * 2100  # one frame fits; the rest of the read once 5 are left
     out, outcome, runs = run_stream([body], fast=True, limit=limit)
-    assert runs == 0
+    assert runs == 1
     assert (out, outcome) == run_stream([body], fast=False, limit=limit)[:2]
     assert outcome == "response.completed"
+    assert out == body
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams(), st.integers(0, 3))
+def test_list_wise_and_frame_by_frame_classification_agree(reads: list[bytes], start: int) -> None:
+    block = b"".join(reads)
+    assert regular_prefix(block, start, {}) == _frame_by_frame(block, start, {})
 
 
 @pytest.mark.parametrize("frame", _IRREGULAR)

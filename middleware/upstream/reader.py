@@ -119,13 +119,13 @@ async def read_stream_events(
 ) -> AsyncGenerator[UpstreamEvent, None]:
     """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
 
-    With ``on_run`` (and a ``client``; the pass-through's forwarding): the fast path. Each read
-    that starts at a frame boundary is first scanned for its regular frames
-    (`middleware.upstream.fastpath.regular_prefix`: frames the exact path would forward as
-    received); when the ledger's one bound for the read fits (`budget.Ledger.stream_read_fits`)
-    and the pool has room for the widest frame, those frames are handed to ``on_run(frames,
-    count)`` as one slice and yield no event; the rest of the read, from its first irregular
-    frame, goes through the exact per-frame path below.
+    With ``on_run`` (and a ``client``; the pass-through's forwarding): the fast path. Whenever
+    the parser holds nothing, what is left of the read is scanned for the regular frames at its
+    start (`middleware.upstream.fastpath.regular_prefix`: frames the exact path would forward as
+    received); when the ledger's one bound for all of it fits (`budget.Ledger.stream_read_fits`)
+    and the pool has room for the widest frame, those frames go to ``on_run(frames, count)`` as
+    one slice and yield no event. The next frame (an irregular one) goes through the exact
+    per-frame path below, then the scan resumes after it.
 
     With a `ClientStream` (``client``): it is flushed each time every event of the bytes received
     so far has been handed out, before waiting for more; and while the gateway waits for upstream
@@ -151,36 +151,43 @@ async def read_stream_events(
             if timer is not None:
                 timer.arm()
             try:
-                raw = await anext(chunks)
-                chunk = await fast.forward(raw) if fast is not None and not parser.pending else raw
-                pieces = [] if raw and not chunk else [chunk] if len(chunk) <= SLICE else _slices(chunk)
+                todo = await anext(chunks)
             except StopAsyncIteration:
-                ended, pieces = True, [b""]  # end of stream: settle a held CR
+                ended, todo = True, b""  # end of stream: settle a held CR
             if timer is not None:
                 await timer.disarm()  # a failure (or cancellation) instead cancels it below
-            for piece in pieces:
-                try:
-                    events = parser.feed(piece) if piece else parser.flush()
-                except SSEDecodeError as exc:
-                    raise UpstreamIncomplete(str(exc)) from None
-                for event in events:
-                    # Charged per whole frame (its partial charge released first): the same
-                    # checks, in the same order, however the stream was split into reads.
+            while True:
+                if fast is not None and todo and not parser.pending:
+                    segment, todo = await fast.split(todo)  # forwards the regular frames first
+                else:
+                    segment, todo = todo, b""
+                for piece in [segment] if len(segment) <= SLICE else _slices(segment):
+                    if not piece and not ended:
+                        continue  # all of it forwarded (or an empty read)
+                    try:
+                        events = parser.feed(piece) if piece else parser.flush()
+                    except SSEDecodeError as exc:
+                        raise UpstreamIncomplete(str(exc)) from None
+                    for event in events:
+                        # Charged per whole frame (its partial charge released first): the same
+                        # checks, in the same order, however the stream was split into reads.
+                        if held:
+                            ledger.release(held)
+                            held = 0
+                        frame = ledger.admit_stream_bytes(event.raw_len)
+                        upstream_event = _decode(event, ledger)
+                        if upstream_event is not None:
+                            yield upstream_event
+                        ledger.release(frame)
+                        frame = 0
                     if held:
                         ledger.release(held)
                         held = 0
-                    frame = ledger.admit_stream_bytes(event.raw_len)
-                    upstream_event = _decode(event, ledger)
-                    if upstream_event is not None:
-                        yield upstream_event
-                    ledger.release(frame)
-                    frame = 0
-                if held:
-                    ledger.release(held)
-                    held = 0
-                pending = parser.pending
-                if pending:
-                    held = ledger.admit_stream_bytes(pending, transient=False)
+                    pending = parser.pending
+                    if pending:
+                        held = ledger.admit_stream_bytes(pending, transient=False)
+                if not todo:
+                    break
     finally:
         ledger.release(held + frame)  # what the parser held is gone with it
         if timer is not None:
@@ -190,8 +197,9 @@ async def read_stream_events(
 
 
 class _FastPath:
-    """The fast path of one stream (`read_stream_events` with ``on_run``): `forward` hands the
-    regular frames at the start of a read to ``on_run`` and returns the rest of the read."""
+    """The fast path of one stream (`read_stream_events` with ``on_run``): `split` hands the
+    regular frames at the start of what is left of a read to ``on_run`` and cuts the next frame
+    off for the exact path."""
 
     __slots__ = ("_client", "_ledger", "_names", "_on_run")
 
@@ -203,22 +211,29 @@ class _FastPath:
         self._on_run = on_run
         self._names: dict[bytes, str] = {}  # event names found regular in this stream
 
-    async def forward(self, chunk: bytes) -> bytes:
-        """Forward the regular frames at the start of `chunk` (an upstream read that starts at a
-        frame boundary) when the read's one ledger bound fits and the pool has room; return what
-        is left for the exact path (all of `chunk` when nothing went)."""
+    async def split(self, chunk: bytes) -> tuple[bytes, bytes]:
+        """Forward the regular frames at the start of `chunk` (bytes of an upstream read that
+        start at a frame boundary, the parser holding nothing) when the one ledger bound for all
+        of `chunk` fits and the pool has room; return ``(segment, rest)``: `segment` for the
+        exact path (the next frame, up to and with its blank line; all of what is left when no
+        blank line follows), `rest` for this method again."""
         end, count, widest = regular_prefix(chunk, self._client.next_sequence, self._names)
-        if not count or not self._ledger.stream_read_fits(len(chunk), widest):
-            return chunk
-        try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
-            charge = self._ledger.admit_stream_bytes(widest)
-        except (BudgetExceeded, PoolExhausted):
-            return chunk  # left unchanged: the exact path meets the same refusal, at its frame
-        try:
-            await self._on_run(chunk if end == len(chunk) else chunk[:end], count)
-        finally:
-            self._ledger.release(charge)
-        return chunk[end:]
+        if count and self._ledger.stream_read_fits(len(chunk), widest):
+            try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
+                charge = self._ledger.admit_stream_bytes(widest)
+            except (BudgetExceeded, PoolExhausted):
+                end = 0  # left unchanged: the exact path meets the same refusal, at its frame
+            else:
+                try:
+                    await self._on_run(chunk if end == len(chunk) else chunk[:end], count)
+                finally:
+                    self._ledger.release(charge)
+        else:
+            end = 0
+        cut = chunk.find(b"\n\n", end)
+        if cut < 0:
+            return chunk[end:], b""
+        return chunk[end : cut + 2], chunk[cut + 2 :]
 
 
 def _slices(chunk: bytes) -> list[bytes]:
