@@ -9,6 +9,7 @@ time bounds are generous (a header timeout of 0.5 s must close within 5 s).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -671,3 +672,48 @@ def test_serve_options_carry_the_bounds_and_survive_pickling_for_workers(stack: 
     bounds = factory.keywords["bounds"]
     assert (bounds.header_timeout, bounds.max_connections, bounds.max_header_bytes) == (3, 9, 65_536)
     assert Settings.from_env_json(s.to_env()) == s  # the workers' settings: the same bounds again
+
+
+def test_uvloop_transports_get_the_bounded_close_and_write_through_the_wrapper() -> None:
+    """uvloop's C transports allow no attribute assignment: `ConnectionGuard.admit` wraps them
+    (`BoundedTransport`), so a close whose client reads nothing is still aborted after the write
+    timeout, and writes after the close are dropped and counted."""
+    import uvloop
+
+    bounds = connections.ConnectionBounds(
+        header_timeout=30, max_connections=8, max_header_bytes=4096, write_timeout=0.5
+    )
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        lost = loop.create_future()
+
+        class Sink(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                guard = ConnectionGuard(bounds, loop)
+                bounded = guard.admit(transport, 0)  # type: ignore[arg-type]
+                seen["wrapped"] = type(bounded)
+                assert bounded is not None
+                bounded.write(b"x" * (8 << 20))  # far more than the socket buffers hold
+                bounded.close()
+                bounded.write(b"dropped")
+                seen["closed_at"] = loop.time()
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                lost.set_result(loop.time())
+
+        server = await loop.create_server(Sink, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        sock = socket.create_connection(("127.0.0.1", port))  # never reads
+        try:
+            seen["lost_after"] = await asyncio.wait_for(lost, WITHIN) - seen["closed_at"]
+        finally:
+            sock.close()
+            server.close()
+
+    before = MetricDelta()
+    uvloop.run(scenario())
+    assert seen["wrapped"] is connections.BoundedTransport
+    assert 0.4 <= seen["lost_after"] < WITHIN
+    assert before.delta("loopwarden_dropped_writes_total") == 1
