@@ -53,6 +53,9 @@ IRREGULAR_TYPES: Final = frozenset(
 MAX_BRACKETS: Final = 128
 #: ``\\uD800``-``\\uDFFF`` escapes, which the exact path may refuse (a lone surrogate; a pair is
 #: fine, but rare enough to leave to it). Searched only in data that holds a ``\\u`` at all.
+#: Blank lines (frames) in a read from which the list-wise classification pays (measured: one
+#: frame costs 2.8 µs frame by frame, 5.7 list-wise; 1000 frames 2.4 and 1.4 µs each).
+LIST_WISE_FROM: Final = 8
 _SURROGATE: Final = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
@@ -73,9 +76,12 @@ def regular_prefix(block: bytes, next_sequence: int, names: dict[bytes, str]) ->
     names already found regular in this stream (bytes -> type), a cache filled here. Pure; raises
     nothing.
 
-    The frames are classified list-wise (`_vectorised`, a few C-level passes over all of them);
+    From `LIST_WISE_FROM` frames on, they are classified list-wise (`_vectorised`, a few C-level
+    passes over all of them; fewer go frame by frame, which costs less for one or two);
     whatever that cannot settle (a refusal from the decoder, bytes that need a frame-by-frame
     look) is settled frame by frame (`_frame_by_frame`), which gives the same answer."""
+    if block.count(b"\n\n") < LIST_WISE_FROM:  # a token-paced read: a frame or two
+        return _frame_by_frame(block, next_sequence, names)
     found = _vectorised(block, next_sequence, names)
     return found if found is not None else _frame_by_frame(block, next_sequence, names)
 
