@@ -80,6 +80,9 @@ def regular_prefix(block: bytes, next_sequence: int, names: dict[bytes, str]) ->
     passes over all of them; fewer go frame by frame, which costs less for one or two);
     whatever that cannot settle (a refusal from the decoder, bytes that need a frame-by-frame
     look) is settled frame by frame (`_frame_by_frame`), which gives the same answer."""
+    nl = block.find(b"\n", 0, 7 + 130)
+    if nl < 0 or not block.startswith(b"event: ") or not _name_ok(block[7:nl], names):
+        return 0, 0, 0  # the first frame is not regular (a lifecycle event, an error, ...)
     if block.count(b"\n\n") < LIST_WISE_FROM:  # a token-paced read: a frame or two
         return _frame_by_frame(block, next_sequence, names)
     found = _vectorised(block, next_sequence, names)
@@ -102,11 +105,12 @@ def _vectorised(block: bytes, next_sequence: int, names: dict[bytes, str]) -> tu
         return None
     frames = block[:last].split(b"\n\n")
     pairs = [frame.partition(b"\ndata: ") for frame in frames]
-    if block.count(b"\n", 0, last) != 3 * len(frames) - 2 or not all(pair[1] for pair in pairs):
+    if block.count(b"\n", 0, last) != 3 * len(frames) - 2 or b"" in [pair[1] for pair in pairs]:
         return None  # a frame of another shape (more or fewer lines than event + data)
-    if not all(pair[0].startswith(b"event: ") for pair in pairs):
+    lines = [pair[0] for pair in pairs]
+    if not all(map(bytes.startswith, lines, repeat(b"event: "))):
         return None
-    heads = [pair[0][7:] for pair in pairs]
+    heads = [line[7:] for line in lines]
     count = len(heads)
     # a list, not a generator: every name is looked at (and cached) before the first one missing
     if not all([_name_ok(name, names) for name in set(heads)]):
