@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -130,13 +131,22 @@ def create_app(upstream: str, client: str) -> Starlette:
     )
 
 
+#: The server stack every benchmarked ASGI server runs on: ``h11`` + ``asyncio`` (the issue-8 and
+#: issue-21 ratios are taken there), or with ``LOOPWARDEN_BENCH_STACK=fast`` ``httptools`` +
+#: ``uvloop`` (``loopwarden serve``'s default). Explicit: uvicorn's ``http="auto"`` silently
+#: switches to httptools whenever it is importable.
+STACKS = {"h11": ("h11", "asyncio"), "fast": ("httptools", "uvloop")}
+
+
 def serve(app: Any, port: int, host: str = "127.0.0.1") -> None:
-    """Run `app` on uvicorn the way every benchmarked ASGI server runs (TCP_NODELAY socket)."""
+    """Run `app` on uvicorn the way every benchmarked ASGI server runs (TCP_NODELAY socket; the
+    stack of `STACKS`)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    http, loop = STACKS[os.environ.get("LOOPWARDEN_BENCH_STACK", "h11")]
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="on", loop="asyncio", backlog=1024
+        app, log_level="warning", access_log=False, lifespan="on", http=http, loop=loop, backlog=1024
     )
     uvicorn.Server(config).run(sockets=[sock])
 

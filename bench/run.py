@@ -276,6 +276,9 @@ SCENARIOS = [
     Scenario("buffered", "small", False),
     Scenario("stream100", "small", True),
     Scenario("stream1mb", "text1mb", True),
+    # token-paced: the same 100 events, one upstream write (read) each, 1 ms / 0.05 ms apart
+    Scenario("paced1ms", "paced:0.001", True),
+    Scenario("paced50us", "paced:0.00005", True),
 ]
 
 

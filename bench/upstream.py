@@ -19,6 +19,8 @@ chunked transfer encoding, one HTTP chunk per event, ``sequence_number`` 0..N-1)
 * ``tools3``  — a three-round tool loop: the number of ``function_call_output`` items in the
   request's input decides the round: 0 and 1 -> a ``function_call`` of ``lookup`` (``call_1``,
   ``call_2``), 2 or more -> a message ``"done"``.
+* ``paced:GAP`` — streamed only: the ``small`` stream written one event (one HTTP chunk) at a
+  time, GAP seconds apart (default 0.001): a token-paced model server, one event per read.
 * ``hold``    — sleeps ``HOLD`` seconds (default 2.0; ``hold:SECONDS`` in the model name sets it),
   then answers like ``small`` (buffered: the response object, streamed: the 100 events): keeps
   requests in flight for the memory measurement.
@@ -248,6 +250,13 @@ class Scripts:
             "400 Bad Request",
         )
         self.health = http_json(b'{"status":"ok"}')
+        # ``small`` streamed as separate writes (head + first event, then one chunk per event)
+        small_stream = self.streamed["small"]
+        head_end = small_stream.index(b"\r\n\r\n") + 4
+        chunks = re.findall(rb"[0-9a-f]+\r\n.*?\r\n(?=[0-9a-f]+\r\n|$)", small_stream[head_end:], re.S)
+        assert b"".join(chunks) == small_stream[head_end:], "chunk split"
+        self.streamed_events = {"small": [small_stream[:head_end] + chunks[0], *chunks[1:]]}
+        self.paced: dict[float, list[bytes | float]] = {}
 
     def answer(self, body: bytes) -> list[bytes | float]:
         """The HTTP answer as parts: bytes are written, a float waits that many seconds."""
@@ -267,6 +276,12 @@ class Scripts:
             return [rounds[min(len(_FCO.findall(body)), 2)]]
         if name == "hold":
             return [float(arg or HOLD), (self.streamed if stream else self.buffered)["small"]]
+        if name == "paced" and stream:
+            gap = float(arg or 0.001)
+            if gap not in self.paced:
+                events = self.streamed_events["small"]
+                self.paced[gap] = [part for event in events for part in (event, gap)][:-1]
+            return list(self.paced[gap])
         if name == "bigjson":
             size_text, _, hold = arg.partition(":")
             size = int(size_text or 1024)

@@ -233,6 +233,25 @@ class Ledger:
         self._fits("stream_frame", need)
         return need
 
+    def check_stream_frame_bounded(self, data: BytesLike) -> None:
+        """`check_stream_frame` with the same outcome at less cost: a JSON text has at most one
+        node per byte, so when ``frame_charge(len(data))`` fits the nodes are not counted (they
+        cannot change the outcome); else they are, and `check_stream_frame` decides. Raises
+        `BudgetExceeded` (phase ``stream_frame``) exactly when it does."""
+        if self._charged + self._model.frame_charge(len(data), self._store) > self._limit:
+            self.check_stream_frame(data)
+
+    def stream_read_fits(self, nbytes: int, max_frame: int) -> bool:
+        """Whether one bound for a whole upstream read of ``nbytes`` wire bytes, whose largest
+        ``data:`` payload is ``max_frame`` bytes, fits on top of what is charged: the read's
+        ``48*nbytes`` (held at once: its frames' copies and decodes; `admit_stream_bytes` of it
+        whole) plus one frame's parse at one node per byte (`check_stream_frame_bounded`'s
+        bound). That is at least every per-frame and per-slice check the read would make one by
+        one, so when it fits none of them can trip. Changes nothing; raises nothing."""
+        m = self._model
+        need = m.stream_chunk_need(nbytes) + m.frame_charge(max_frame, self._store)
+        return self._charged + need <= self._limit
+
     def admit_accumulated(
         self, data: BytesLike, nodes: int | None = None, *, features: JsonFeatures | None = None
     ) -> int:

@@ -70,7 +70,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--keepalive-interval", type=float, help="seconds between SSE keep-alive comments (default 15)"
     )
     p.add_argument("--workers", type=int, help="worker processes (default 1)")
-    p.add_argument("--http", help="uvicorn's HTTP/1.1 stack: h11 (default) or httptools")
+    p.add_argument("--http", help="uvicorn's HTTP/1.1 stack: httptools (default) or h11")
+    p.add_argument("--loop", help="uvicorn's event loop: uvloop (default) or asyncio")
     p.add_argument(
         "--header-timeout",
         type=float,
@@ -263,7 +264,8 @@ def _multiprocess_metrics_dir() -> None:
 
 def uvicorn_options(settings: Settings, nofile: int | None = None) -> dict[str, Any]:
     """The ``uvicorn.run`` keywords ``serve`` uses for `settings`, single worker and ``--workers``
-    > 1 alike: address, logging, the graceful-shutdown cut-off and the connection bounds
+    > 1 alike: address, logging, the graceful-shutdown cut-off, the event loop (``loop``:
+    ``uvloop`` or ``asyncio``) and the connection bounds
     (`middleware.ops.connections.connection_options`; ``nofile``: the file-descriptor limit to
     derive ``max_connections`` from, None: this process's). Raises SettingsError when the
     derived ``max_connections`` is too small."""
@@ -274,6 +276,7 @@ def uvicorn_options(settings: Settings, nofile: int | None = None) -> dict[str, 
         "log_config": log_config(settings.log_level, json_lines=settings.log_format == "json"),
         # uvicorn's own cut-off comes after ours, so drained requests get their error frame first
         "timeout_graceful_shutdown": settings.drain_timeout + 5,
+        "loop": settings.loop,
         **connection_options(settings, nofile),
     }
 
@@ -378,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"loopwarden: starting on http://{settings.host}:{settings.port} "
         f"(upstream: {settings.upstream or 'embedded development model'}, "
         f"max_infer_iters={settings.max_infer_iters}, max_retained_bytes={settings.max_retained_bytes}, "
-        f"http={settings.http}, max_connections={resolve_max_connections(settings)} per worker)",
+        f"http={settings.http}, loop={settings.loop}, max_connections={resolve_max_connections(settings)} per worker)",
         file=sys.stderr,
         flush=True,
     )

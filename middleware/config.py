@@ -39,7 +39,9 @@ class Settings:
     Units: timeouts and intervals in seconds, sizes in bytes. ``upstream`` is the base URL of a
     Responses-compatible server including its ``/v1`` (``None``: start the embedded development
     model). ``limits`` holds ``max_infer_iters`` and ``max_retained_bytes`` (DESIGN.md §3).
-    ``http`` is uvicorn's HTTP/1.1 stack (``h11`` or ``httptools``); ``header_timeout``,
+    ``http`` is uvicorn's HTTP/1.1 stack (``httptools``, the default, or ``h11``) and ``loop``
+    its event loop (``uvloop``, the default, or ``asyncio``): uvicorn's own names, as
+    ``uvicorn[standard]`` runs; ``header_timeout``,
     ``keepalive_timeout``, ``max_connections`` and ``backlog`` (0: derived from the
     file-descriptor limit) and ``max_header_bytes`` are the connection bounds (`middleware.ops.connections`).
     ``websocket_max_lifetime`` (seconds; the spec's 60 minutes) and ``websocket_idle_timeout``
@@ -88,7 +90,8 @@ class Settings:
     background_lease_seconds: float = 30.0
     background_event_log_bytes: int = 8_388_608
     background_event_log_retention: float = 600.0
-    http: str = "h11"
+    http: str = "httptools"
+    loop: str = "uvloop"
     header_timeout: float = 10.0
     keepalive_timeout: float = 5.0
     max_connections: int = 0
@@ -211,6 +214,8 @@ class Settings:
             )
         if self.http not in ("h11", "httptools"):
             raise SettingsError(f"http must be h11 or httptools, got {self.http!r}")
+        if self.loop not in ("asyncio", "uvloop"):
+            raise SettingsError(f"loop must be asyncio or uvloop, got {self.loop!r}")
         if not 0 <= self.max_connections <= 1_000_000:
             raise SettingsError(
                 f"max_connections must be in 0..=1000000 (0: the file-descriptor limit minus head-room), got {self.max_connections}"

@@ -7,6 +7,7 @@ Unit tests on `ProcessPool` / `RequestReservation` with real `budget.Ledger`s, r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from budget import Ledger, PoolExhausted
 from middleware.ops import metrics
-from middleware.ops.admission import ProcessPool
+from middleware.ops.admission import PUBLISH_INTERVAL, ProcessPool
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1024 * 1024
@@ -68,13 +69,32 @@ def test_live_ledger_gauge_is_the_sum_of_charges_not_the_reservations(pool: Proc
     assert pool.charged == pool.reserved == pool.requests == 0
 
 
-def test_charges_and_releases_write_no_gauge_start_and_end_do(
-    pool: ProcessPool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Multiprocess mode exports what `Gauge.set` wrote: at request start and end, not per charge."""
+def _record_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
     writes: list[tuple[str, float]] = []
     for gauge, name in ((metrics.INFLIGHT_RETAINED, LIVE), (metrics.ADMISSION_RESERVED, RESERVED)):
         monkeypatch.setattr(gauge, "set", lambda value, name=name: writes.append((name, value)))
+    return writes
+
+
+def test_one_process_writes_no_gauge_per_request(pool: ProcessPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process: the scrape reads both numbers live, so neither a charge nor a request start
+    or end writes a gauge (issue 21: gauges read at scrape time)."""
+    monkeypatch.setattr(metrics, "MULTIPROCESS", False)
+    writes = _record_writes(monkeypatch)
+    reservation = pool.admit(4096, caller="a")
+    ledger = Ledger(64 * MiB, pool=reservation)
+    ledger.release(ledger.reserve(64 * 1024))
+    reservation.close()
+    assert writes == []
+
+
+def test_charges_and_releases_write_no_gauge_start_and_end_do(
+    pool: ProcessPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Multiprocess mode exports what `Gauge.set` wrote: at request start and end, not per charge
+    (a synchronous caller, no event loop: each write at once)."""
+    monkeypatch.setattr(metrics, "MULTIPROCESS", True)
+    writes = _record_writes(monkeypatch)
     reservation = pool.admit(4096, caller="a")
     assert writes == [(RESERVED, 4096), (LIVE, 0)]
     writes.clear()
@@ -88,6 +108,28 @@ def test_charges_and_releases_write_no_gauge_start_and_end_do(
     assert pool.charged == 0
 
 
+def test_multiprocess_writes_are_throttled_with_one_trailing_write(
+    pool: ProcessPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the event loop, requests that start and end within `PUBLISH_INTERVAL` of a write are
+    written once, at the interval's end, with the numbers then."""
+    monkeypatch.setattr(metrics, "MULTIPROCESS", True)
+    writes = _record_writes(monkeypatch)
+
+    async def run() -> None:
+        await asyncio.sleep(PUBLISH_INTERVAL * 2)  # past the write the pool made when created
+        first = pool.admit(4096, caller="a")  # the first write of the interval: at once
+        assert writes == [(RESERVED, 4096), (LIVE, 0)]
+        for _ in range(20):
+            pool.admit(1024, caller="b").close()
+        first.close()
+        assert len(writes) == 2  # nothing more yet
+        await asyncio.sleep(PUBLISH_INTERVAL * 6)
+
+    asyncio.run(run())
+    assert writes[2:] == [(RESERVED, 0), (LIVE, 0)]
+
+
 def test_a_refused_charge_changes_neither_number(pool: ProcessPool) -> None:
     reservation = pool.admit(1 * MiB, caller="a")
     ledger = Ledger(64 * MiB, pool=reservation)
@@ -98,11 +140,12 @@ def test_a_refused_charge_changes_neither_number(pool: ProcessPool) -> None:
 
 
 _MULTIPROCESS_SCRIPT = """
+import asyncio
 import json
 from prometheus_client.parser import text_string_to_metric_families
 from budget import Ledger
 from middleware.ops import metrics
-from middleware.ops.admission import ProcessPool
+from middleware.ops.admission import PUBLISH_INTERVAL, ProcessPool
 
 def scrape():
     page = metrics.exposition().decode()

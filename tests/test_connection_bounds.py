@@ -9,6 +9,7 @@ time bounds are generous (a header timeout of 0.5 s must close within 5 s).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -52,6 +53,10 @@ from tests.mock_upstream import MockUpstream, Reply
 from tests.servers import response_json, serve_asgi
 
 STACKS = ("h11", "httptools")
+#: The event loop each stack runs on here: httptools + uvloop is `loopwarden serve`'s default
+#: (``uvicorn[standard]``; uvloop's C transports take the `BoundedTransport` wrapper), h11 +
+#: asyncio the pure-Python pair (asyncio's transports take the bounded close in place).
+LOOP = {"h11": "asyncio", "httptools": "uvloop"}
 HEADER_TIMEOUT = 0.5
 WITHIN = 5.0  # seconds: the generous bound for "closed at the timeout"
 NOWHERE = "http://127.0.0.1:9/v1"  # an upstream the connection tests never call
@@ -61,14 +66,14 @@ CAP = "loopwarden_cap_hits_total"
 def settings_for(stack: str, **overrides: Any) -> Settings:
     overrides.setdefault("header_timeout", HEADER_TIMEOUT)
     overrides.setdefault("store", "memory")
-    return Settings(http=stack, upstream=NOWHERE, **overrides)
+    return Settings(http=stack, loop=LOOP[stack], upstream=NOWHERE, **overrides)
 
 
 @contextlib.contextmanager
 def bounded(stack: str, **overrides: Any) -> Iterator[tuple[str, int]]:
     """The gateway on `stack` with the bounds ``serve`` would pass; yields (base URL, port)."""
     settings = settings_for(stack, **overrides)
-    with serve_asgi(create_app(settings), **connection_options(settings)) as url:
+    with serve_asgi(create_app(settings), loop=settings.loop, **connection_options(settings)) as url:
         yield url, int(url.rsplit(":", 1)[1])
 
 
@@ -261,6 +266,40 @@ def test_a_request_the_parser_rejects_is_400_in_the_envelope(stack: str) -> None
 
 
 @pytest.mark.parametrize("stack", STACKS)
+def test_b25d_garbage_pipelined_after_a_body_is_answered_after_the_request_on_both_stacks(stack: str) -> None:
+    """CASES B25d with `serve`'s protocols: the request's own outcome comes first (400
+    ``invalid_json`` for its 10-byte body, in the envelope), then the unparsable rest gets the
+    400 ``invalid_request`` envelope and the close. llhttp (httptools) fails on the rest before the
+    app has answered, where uvicorn's own protocol answers a plain-text 400 instead of the
+    request's; h11 reads the rest only after the response, and waits for its line end."""
+    # h11 closes at the keep-alive timeout: short, well inside the socket's timeout
+    with bounded(stack, charge_model="reference", keepalive_timeout=1.0) as (_, port):
+        sock = connect(port)
+        head = b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n"
+        sock.sendall(head + b'{"model":"m","input":"' + b"a" * 178 + b'"}')
+        raw = read_until_closed(sock)
+    first = read_first(raw)
+    status, headers, body = response_json(first)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert body["error"]["code"] == "invalid_json"
+    rest = raw[len(first) :]
+    if stack == "h11":  # h11 waits for the rest's line end, then the keep-alive timeout closes
+        assert rest == b""
+        return
+    status, headers, body = response_json(rest)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert body["error"]["code"] == "invalid_request"
+    assert headers["connection"] == "close"
+
+
+def read_first(raw: bytes) -> bytes:
+    """The first response of `raw` (it has a Content-Length body)."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
+    return head + b"\r\n\r\n" + rest[:length]
+
+
+@pytest.mark.parametrize("stack", STACKS)
 def test_well_behaved_traffic_is_untouched_a_slow_body_is_not_a_slow_head(stack: str) -> None:
     """The deadline ends with the head: a body that takes longer than the header timeout, several
     requests on one kept-alive connection and a streamed answer are all served."""
@@ -271,7 +310,7 @@ def test_well_behaved_traffic_is_untouched_a_slow_body_is_not_a_slow_head(stack:
         before = MetricDelta()
         settings = settings_for(stack)
         app = create_app(dataclasses.replace(settings, upstream=upstream.base_url))
-        with serve_asgi(app, **connection_options(settings)) as url:
+        with serve_asgi(app, loop=settings.loop, **connection_options(settings)) as url:
             port = int(url.rsplit(":", 1)[1])
             sock = connect(port)
             body = b'{"model":"m","store":false,"input":"hi"}'
@@ -385,7 +424,18 @@ def test_the_servers_file_descriptors_stay_bounded_under_a_flood_of_idle_sockets
     stack: str, tmp_path: Path
 ) -> None:
     cap, batch = 20, 8  # batch: asyncio accepts up to --backlog sockets before refusing any
-    args = ["--http", stack, "--max-connections", str(cap), "--backlog", str(batch), "--header-timeout", "2"]
+    args = [
+        "--http",
+        stack,
+        "--loop",
+        LOOP[stack],
+        "--max-connections",
+        str(cap),
+        "--backlog",
+        str(batch),
+        "--header-timeout",
+        "2",
+    ]
     with serve(args, tmp_path / "log") as (proc, port):
         time.sleep(0.5)  # the start-up probe's connection is closed
         baseline = fd_count(proc.pid)
@@ -412,7 +462,7 @@ def test_the_servers_file_descriptors_stay_bounded_under_a_flood_of_idle_sockets
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_workers_get_the_bounds_too(stack: str, tmp_path: Path) -> None:
-    args = ["--http", stack, "--workers", "2", "--header-timeout", str(HEADER_TIMEOUT)]
+    args = ["--http", stack, "--loop", LOOP[stack], "--workers", "2", "--header-timeout", str(HEADER_TIMEOUT)]
     with serve(args, tmp_path / "log") as (_, port):
         socks = [connect(port) for _ in range(4)]
         waited = [closed_within(sock, WITHIN) for sock in socks]
@@ -519,8 +569,10 @@ def test_the_guard_is_called_from_the_uvicorn_hooks(stack: str, monkeypatch: pyt
 
 def test_defaults_and_sources() -> None:
     s = Settings()
+    assert (s.http, s.loop) == ("httptools", "uvloop")  # uvicorn[standard]
+    assert uvicorn_options(s)["loop"] == "uvloop"
     assert (s.http, s.header_timeout, s.keepalive_timeout, s.max_connections, s.max_header_bytes) == (
-        "h11",
+        "httptools",
         10.0,
         5.0,
         0,
@@ -530,11 +582,13 @@ def test_defaults_and_sources() -> None:
     env = {
         "LOOPWARDEN_HEADER_TIMEOUT": "3",
         "LOOPWARDEN_MAX_CONNECTIONS": "500",
-        "LOOPWARDEN_HTTP": "httptools",
+        "LOOPWARDEN_HTTP": "h11",
+        "LOOPWARDEN_LOOP": "asyncio",
     }
     s = load_settings({"keepalive_timeout": 2.5, "max_header_bytes": 8192}, env)
+    assert s.loop == "asyncio"
     assert (s.http, s.header_timeout, s.keepalive_timeout, s.max_connections, s.max_header_bytes) == (
-        "httptools",
+        "h11",
         3.0,
         2.5,
         500,
@@ -558,6 +612,7 @@ def test_config_file_keys(tmp_path: Path) -> None:
         ("max_header_bytes", 1023, "max_header_bytes must be in 1024..=1048576, got 1023"),
         ("backlog", 65_536, "backlog must be in 0..=65535"),
         ("http", "zttp", "http must be h11 or httptools, got 'zttp'"),
+        ("loop", "trio", "loop must be asyncio or uvloop, got 'trio'"),
     ],
 )
 def test_invalid_values_name_the_field_range_and_value(field: str, value: Any, message: str) -> None:
@@ -618,3 +673,48 @@ def test_serve_options_carry_the_bounds_and_survive_pickling_for_workers(stack: 
     bounds = factory.keywords["bounds"]
     assert (bounds.header_timeout, bounds.max_connections, bounds.max_header_bytes) == (3, 9, 65_536)
     assert Settings.from_env_json(s.to_env()) == s  # the workers' settings: the same bounds again
+
+
+def test_uvloop_transports_get_the_bounded_close_and_write_through_the_wrapper() -> None:
+    """uvloop's C transports allow no attribute assignment: `ConnectionGuard.admit` wraps them
+    (`BoundedTransport`), so a close whose client reads nothing is still aborted after the write
+    timeout, and writes after the close are dropped and counted."""
+    import uvloop
+
+    bounds = connections.ConnectionBounds(
+        header_timeout=30, max_connections=8, max_header_bytes=4096, write_timeout=0.5
+    )
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        lost = loop.create_future()
+
+        class Sink(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                guard = ConnectionGuard(bounds, loop)
+                bounded = guard.admit(transport, 0)  # type: ignore[arg-type]
+                seen["wrapped"] = type(bounded)
+                assert bounded is not None
+                bounded.write(b"x" * (8 << 20))  # far more than the socket buffers hold
+                bounded.close()
+                bounded.write(b"dropped")
+                seen["closed_at"] = loop.time()
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                lost.set_result(loop.time())
+
+        server = await loop.create_server(Sink, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        sock = socket.create_connection(("127.0.0.1", port))  # never reads
+        try:
+            seen["lost_after"] = await asyncio.wait_for(lost, WITHIN) - seen["closed_at"]
+        finally:
+            sock.close()
+            server.close()
+
+    before = MetricDelta()
+    uvloop.run(scenario())
+    assert seen["wrapped"] is connections.BoundedTransport
+    assert 0.4 <= seen["lost_after"] < WITHIN
+    assert before.delta("loopwarden_dropped_writes_total") == 1

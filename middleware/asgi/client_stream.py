@@ -7,7 +7,8 @@ receives goes through it:
 
 * `answer_json` — a whole JSON answer (a success, or an error envelope before commit);
 * `event` / `forward` — SSE events, renumbered from 0 across rounds; `forward` passes the
-  upstream's bytes unchanged when nothing needs rewriting; every frame carries ``event: <type>``;
+  upstream's bytes unchanged when nothing needs rewriting, `forward_run` a run of such frames in
+  one message (the stream fast path); every frame carries ``event: <type>``;
 * `end` — the end of a stream: ``data: [DONE]`` (Open Responses: the terminal event of every stream);
 * `fail` — a failure: the `middleware.outcomes` envelope before commit, its frames after
   (``error``, ``response.failed`` with the response so far from ``snapshot``, ``data: [DONE]``);
@@ -221,6 +222,15 @@ class ClientStream:
         await self.start_stream()
         self.next_sequence += 1
         await self({"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True})
+
+    async def forward_run(self, frames: bytes, count: int) -> None:
+        """`count` upstream frames as received, in one body message: whole ``event: T\ndata:
+        D\n\n`` frames that `forward` would each have sent unchanged (their ``sequence_number``
+        the next `count` ones; `middleware.upstream.fastpath` decides), so the client gets the same
+        bytes."""
+        await self.start_stream()
+        self.next_sequence += count
+        await self({"type": "http.response.body", "body": frames, "more_body": True})
 
     async def end(self) -> None:
         """End the stream: what is buffered, then ``data: [DONE]``, then the last message."""

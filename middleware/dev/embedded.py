@@ -41,8 +41,8 @@ class BackgroundServer:
         # uvicorn's default, "auto", is httptools whenever it is installed (a dependency since the
         # connection bounds): keep the stack explicit, `loopwarden serve`'s default, unless asked
         config.setdefault("http", "h11")
-        # and the event loop: "auto" is uvloop whenever it is installed, whose transports the
-        # connection bounds cannot wrap (`connection_options` pins "asyncio" for the same reason)
+        # and the event loop: "auto" would be uvloop whenever it is installed (`connection_options`
+        # names `loopwarden serve`'s own, settings.loop)
         config.setdefault("loop", "asyncio")
         # Leave the host process's logging alone: uvicorn applies log_config, log_level and
         # access_log=False to the process-wide "uvicorn.*" loggers, which would silence the

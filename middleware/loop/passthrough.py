@@ -116,8 +116,15 @@ class Passthrough:
     async def _forward_stream(self, response: UpstreamResponse) -> None:
         # Forwarded and dropped: nothing of the stream is kept on this path, so nothing is
         # accumulated (the parser's bytes and each frame's parse are still charged).
+        # Runs of frames that need no change go out as received (`read_stream_events`' fast path).
         self.client.snapshot = self._snapshot
-        await read_round(response, self.ctx.ledger, client=self.client, on_event=self._forward)
+        await read_round(
+            response,
+            self.ctx.ledger,
+            client=self.client,
+            on_event=self._forward,
+            on_run=self.client.forward_run,
+        )
         await self.client.end()
 
     async def _forward(self, event: UpstreamEvent) -> None:

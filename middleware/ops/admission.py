@@ -47,6 +47,9 @@ from typing import Literal
 
 from middleware.ops import metrics
 
+#: Seconds between two writes of the admission gauges in multiprocess mode (`ProcessPool._publish`).
+PUBLISH_INTERVAL = 0.05
+
 
 def memory_limit_bytes() -> int:
     """Memory this process may use: the cgroup v2/v1 limit when one is set, else physical RAM."""
@@ -130,12 +133,35 @@ class ProcessPool:
         metrics.ADMISSION_BUDGET.set(budget_bytes)
         metrics.ADMISSION_RESERVED.set_function(lambda: self.reserved)
         metrics.INFLIGHT_RETAINED.set_function(lambda: self.charged)
-        metrics.publish_before_scrape(self._publish)
-        self._publish()
+        self._published_at = -1e9  # monotonic seconds of the last gauge write
+        self._trailing: asyncio.TimerHandle | None = None
+        metrics.publish_before_scrape(self._write_gauges)
+        self._write_gauges()
 
     def _publish(self) -> None:
-        """Write both gauges (at request start and end, and before a scrape; what multiprocess
-        mode exports)."""
+        """At request start and end: nothing in one process (a scrape reads both gauges live,
+        `Gauge.set_function`); in multiprocess mode (`metrics.MULTIPROCESS`, read once at import
+        as prometheus-client does) both gauges are written at most every `PUBLISH_INTERVAL`
+        seconds, a change inside the interval by one trailing write at its end."""
+        if not metrics.MULTIPROCESS:
+            return
+        wait = self._published_at + PUBLISH_INTERVAL - time.monotonic()
+        if wait <= 0:
+            self._write_gauges()
+        elif self._trailing is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # a synchronous caller: no loop to write later from
+                self._write_gauges()
+                return
+            self._trailing = loop.call_later(wait, self._write_gauges)
+
+    def _write_gauges(self) -> None:
+        """Write both gauges now (before a scrape, and what `_publish` throttles)."""
+        if self._trailing is not None:
+            self._trailing.cancel()
+            self._trailing = None
+        self._published_at = time.monotonic()
         metrics.ADMISSION_RESERVED.set(self.reserved)
         metrics.INFLIGHT_RETAINED.set(self.charged)
 

@@ -40,14 +40,13 @@ they stand for (``408`` header timeout, ``503`` refused connection), DESIGN.md Â
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
 import re
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import Any, Final
 
@@ -173,8 +172,8 @@ def connection_options(settings: Settings, nofile: int | None = None) -> dict[st
     them (single worker and ``--workers`` > 1 alike): ``http`` (the bounded protocol of
     ``settings.http``, bound to its `ConnectionBounds`; picklable, so spawned workers get it),
     ``timeout_keep_alive`` (seconds), ``backlog`` (sockets; `resolve_backlog`) and
-    ``h11_max_incomplete_event_size`` (bytes), ``loop`` (``"asyncio"``: the bounds wrap asyncio's
-    transports, which uvloop's are not), and WebSocket mode's ``ws`` and ``ws_max_size``
+    ``h11_max_incomplete_event_size`` (bytes), ``loop`` (``settings.loop``, named: the bounds hold on
+    asyncio's and uvloop's transports), and WebSocket mode's ``ws`` and ``ws_max_size``
     (`middleware.asgi.websocket.uvicorn_websocket_options`: an upgraded connection keeps its slot
     in uvicorn's connection set, so it counts toward ``max_connections``, and its transport keeps
     the bounded close).
@@ -192,10 +191,9 @@ def connection_options(settings: Settings, nofile: int | None = None) -> dict[st
     return {
         **uvicorn_websocket_options(settings),
         "http": protocol_factory(settings.http, bounds),
-        # The bounded close and the dropped writes wrap the transport's methods: asyncio's own
-        # transports allow it, uvloop's (C) do not, and uvicorn's "auto" picks uvloop whenever it is
-        # installed, which would turn those bounds off without a word. Pinned until they do not wrap.
-        "loop": "asyncio",
+        # the event loop is always named (never uvicorn's "auto"): the bounds hold on both, uvloop's C
+        # transports through `BoundedTransport`
+        "loop": settings.loop,
         "timeout_keep_alive": settings.keepalive_timeout,
         "backlog": resolve_backlog(settings, nofile),
         "h11_max_incomplete_event_size": settings.max_header_bytes,
@@ -254,10 +252,12 @@ class ConnectionGuard:
         self._tail = b""
         self._timer: asyncio.TimerHandle | None = None
 
-    def admit(self, transport: asyncio.Transport, open_connections: int) -> bool:
-        """At accept: False, and the transport aborted before anything is read, when
-        `open_connections` already reach ``max_connections``; else True, and the header deadline
-        starts."""
+    def admit(self, transport: asyncio.Transport, open_connections: int) -> asyncio.Transport | None:
+        """At accept: None, and the transport aborted before anything is read, when
+        `open_connections` already reach ``max_connections``; else the transport the protocol
+        should use (`transport` itself with a bounded ``close`` and ``write``, or, when its class
+        does not allow that, as uvloop's C transports do not, a `BoundedTransport` around it), and
+        the header deadline starts."""
         self.transport = transport
         if open_connections >= self.bounds.max_connections:
             self.refused = True
@@ -268,48 +268,42 @@ class ConnectionGuard:
                 f"{self.bounds.max_connections} per worker",
             )
             transport.abort()
-            return False
+            return None
         self._arm()
-        self._bound_close(transport)
-        self._drop_writes_when_closing(transport)
-        return True
+        original_close, original_write = transport.close, transport.write
+        try:
+            transport.close = functools.partial(self.close, original_close, transport)  # type: ignore[method-assign]
+            transport.write = functools.partial(self.write, original_write, transport)  # type: ignore[method-assign]
+        except AttributeError:
+            self.transport = BoundedTransport(transport, self)
+        return self.transport
 
     @staticmethod
-    def _drop_writes_when_closing(transport: asyncio.Transport) -> None:
-        """Drop (and count in ``loopwarden_dropped_writes_total``) every write to a transport that
-        is closing: after a client reset the socket, asyncio's transport logs
-        ``socket.send() raised exception.`` for each further write, and a streamed answer writes
-        many before uvicorn hears of the disconnect (one loop turn later); nothing written then
-        can reach the client. A transport that does not allow it (a C implementation) keeps its
-        stock write."""
-        original = transport.write
+    def write(
+        original: Callable[[Any], None],
+        transport: asyncio.BaseTransport,
+        data: bytes | bytearray | memoryview,
+    ) -> None:
+        """``transport.write``, except that every write to a transport that is closing is dropped
+        (and counted in ``loopwarden_dropped_writes_total``): after a client reset the socket,
+        asyncio's transport logs ``socket.send() raised exception.`` for each further write, and a
+        streamed answer writes many before uvicorn hears of the disconnect (one loop turn later);
+        nothing written then can reach the client."""
+        if transport.is_closing():
+            metrics.DROPPED_WRITES.inc()
+            return
+        original(data)
 
-        def write(data: bytes | bytearray | memoryview) -> None:
-            if transport.is_closing():
-                metrics.DROPPED_WRITES.inc()
-                return
-            original(data)
-
-        with contextlib.suppress(AttributeError):
-            transport.write = write  # type: ignore[method-assign]
-
-    def _bound_close(self, transport: asyncio.Transport) -> None:
-        """Make ``transport.close()`` bounded: a close flushes what is buffered first, and a
-        client that stopped reading (uvicorn closes when the app ends a response it could not
-        finish, e.g. at the write timeout) would keep the socket, its buffer and a connection slot
-        for ever. After a close, every ``write_timeout`` seconds without the buffer shrinking, the
-        transport is aborted instead. A transport that does not allow it (a C implementation) keeps
-        the stock close."""
-        original = transport.close
-
-        def close() -> None:
-            original()
-            pending = transport.get_write_buffer_size()
-            if pending:
-                self.loop.call_later(self.bounds.write_timeout, self._linger, transport, pending)
-
-        with contextlib.suppress(AttributeError):
-            transport.close = close  # type: ignore[method-assign]
+    def close(self, original: Callable[[], None], transport: asyncio.Transport) -> None:
+        """``transport.close``, bounded: a close flushes what is buffered first, and a client that
+        stopped reading (uvicorn closes when the app ends a response it could not finish, e.g. at
+        the write timeout) would keep the socket, its buffer and a connection slot for ever. After
+        a close, every ``write_timeout`` seconds without the buffer shrinking, the transport is
+        aborted instead."""
+        original()
+        pending = transport.get_write_buffer_size()
+        if pending:
+            self.loop.call_later(self.bounds.write_timeout, self._linger, transport, pending)
 
     def _linger(self, transport: asyncio.Transport, before: int) -> None:
         pending = transport.get_write_buffer_size()
@@ -412,6 +406,66 @@ class ConnectionGuard:
         self._timer = self.loop.call_later(LINGER, transport.abort)
 
 
+class BoundedTransport(asyncio.Transport):
+    """A transport whose class allows no bounded ``close`` / ``write`` (uvloop's C
+    ``TCPTransport``), wrapped: ``close`` and ``write`` go through `ConnectionGuard.close` /
+    `ConnectionGuard.write`, every other attribute (``abort``, ``is_closing``, ``pause_reading``,
+    ``get_extra_info``, ``set_protocol``, ...) to the wrapped transport `inner`."""
+
+    def __init__(self, inner: asyncio.Transport, guard: ConnectionGuard) -> None:
+        super().__init__()
+        self.inner = inner
+        self._guard = guard
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        ConnectionGuard.write(self.inner.write, self.inner, data)
+
+    def close(self) -> None:
+        self._guard.close(self.inner.close, self.inner)
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        self.write(b"".join(list_of_data))
+
+    def is_closing(self) -> bool:
+        return self.inner.is_closing()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.inner.get_extra_info(name, default)
+
+    def get_write_buffer_size(self) -> int:
+        return self.inner.get_write_buffer_size()
+
+    def can_write_eof(self) -> bool:
+        return self.inner.can_write_eof()
+
+    def write_eof(self) -> None:
+        self.inner.write_eof()
+
+    def pause_reading(self) -> None:
+        self.inner.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.inner.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self.inner.is_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.inner.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.inner.get_protocol()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self.inner.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self.inner.get_write_buffer_limits()
+
+
 def _unparsable() -> InvalidRequest:
     return InvalidRequest(
         "the request is not valid HTTP/1.1 (the parser rejected its request line, headers or framing)",
@@ -446,8 +500,9 @@ class _Bounded(asyncio.Protocol):
         raise NotImplementedError
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if self.guard.admit(transport, len(self.server_state.connections)):
-            super().connection_made(transport)
+        bounded = self.guard.admit(transport, len(self.server_state.connections))
+        if bounded is not None:
+            super().connection_made(bounded)
 
     def data_received(self, data: bytes) -> None:
         if self.guard.answered:
@@ -491,17 +546,43 @@ class BoundedHttpToolsProtocol(_Bounded, HttpToolsProtocol):
     Overrides ``connection_made``, ``data_received``, ``connection_lost`` and
     ``send_400_response`` as `BoundedH11Protocol` does (httptools itself bounds no head), and the
     parser callbacks ``on_message_begin`` / ``on_headers_complete`` to know when a head is being
-    read. ``bounds``: keyword-only, bound by `protocol_factory`.
+    read. Bytes the parser rejects after a complete request that is still being answered (llhttp
+    parses ahead, h11 does not) are answered as h11 answers them: after that request's own
+    response, with the 400 envelope and a close (``on_response_complete``; CASES B25d).
+    ``bounds``: keyword-only, bound by `protocol_factory`.
     """
 
     _in_head = False  # between on_message_begin and on_headers_complete
+    _garbage_after = False  # unparsable bytes followed a complete request still being answered
 
     def _awaiting_head(self) -> bool:
         idle = not self.pipeline and (self.cycle is None or self.cycle.response_complete)
         return self._in_head or idle
 
+    def data_received(self, data: bytes) -> None:
+        if self._garbage_after:
+            return  # the parser already failed: drop what follows, as `answer` will
+        super().data_received(data)
+
     def send_400_response(self, msg: str) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.more_body:
+            # llhttp parses ahead: bytes pipelined after a complete body fail here before the app
+            # has answered that request. h11 parses them only once the response is done, so the
+            # answer waits as it does there (CASES B25d): the request's own outcome first, then
+            # this 400 envelope and the close (`on_response_complete`).
+            self._garbage_after = True
+            self.flow.pause_reading()
+            return
         self.guard.answer(_unparsable(), self.server_state.default_headers)
+
+    def on_response_complete(self) -> None:
+        if self._garbage_after:
+            self.server_state.total_requests += 1
+            self.flow.resume_reading()  # the linger reads (and drops) what the client still sends
+            self.guard.answer(_unparsable(), self.server_state.default_headers)
+            return
+        super().on_response_complete()
 
     def on_message_begin(self) -> None:
         self._in_head = True

@@ -555,6 +555,11 @@ def publish_resident_memory(*, baseline: bool = False) -> None:
 
 _before_scrape: Callable[[], None] | None = None
 
+#: prometheus-client's multiprocess mode (``--workers`` > 1): read once at import, as
+#: prometheus-client itself decides its value class then; the per-request paths use this, not
+#: an environment look-up each time.
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
 
 def publish_before_scrape(publish: Callable[[], None]) -> None:
     """Have `exposition` call `publish` first, so gauges that are not written on every change

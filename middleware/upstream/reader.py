@@ -22,13 +22,14 @@ import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from budget import JsonNodeCounter, JsonTooDeep, Ledger
+from budget import BudgetExceeded, JsonNodeCounter, JsonTooDeep, Ledger, PoolExhausted
 from middleware.upstream.errors import (
     UpstreamBodyTooLarge,
     UpstreamIncomplete,
     UpstreamInvalid,
     stream_error_failure,
 )
+from middleware.upstream.fastpath import regular_prefix
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
 
@@ -114,8 +115,17 @@ async def read_stream_events(
     ledger: Ledger,
     *,
     client: ClientStream | None = None,
+    on_run: Callable[[bytes, int], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[UpstreamEvent, None]:
     """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
+
+    With ``on_run`` (and a ``client``; the pass-through's forwarding): the fast path. Whenever
+    the parser holds nothing, what is left of the read is scanned for the regular frames at its
+    start (`middleware.upstream.fastpath.regular_prefix`: frames the exact path would forward as
+    received); when the ledger's one bound for all of it fits (`budget.Ledger.stream_read_fits`)
+    and the pool has room for the widest frame, those frames go to ``on_run(frames, count)`` as
+    one slice and yield no event. The next frame (an irregular one) goes through the exact
+    per-frame path below, then the scan resumes after it.
 
     With a `ClientStream` (``client``): it is flushed each time every event of the bytes received
     so far has been handed out, before waiting for more; and while the gateway waits for upstream
@@ -130,6 +140,7 @@ async def read_stream_events(
     chunks = response.chunks()
     timer = _KeepaliveTimer(client.keepalive, client.keepalive_interval, client.last_sent) if client else None
     idle = client.flush if client is not None else None
+    fast = _FastPath(ledger, client, on_run) if on_run is not None and client is not None else None
     held = 0  # retained charge for the bytes of the incomplete frame (32 x parser.pending)
     frame = 0  # retained charge for the frame being handed out
     ended = False
@@ -140,41 +151,89 @@ async def read_stream_events(
             if timer is not None:
                 timer.arm()
             try:
-                chunk = await anext(chunks)
-                pieces = [chunk] if len(chunk) <= SLICE else _slices(chunk)
+                todo = await anext(chunks)
             except StopAsyncIteration:
-                ended, pieces = True, [b""]  # end of stream: settle a held CR
+                ended, todo = True, b""  # end of stream: settle a held CR
             if timer is not None:
                 await timer.disarm()  # a failure (or cancellation) instead cancels it below
-            for piece in pieces:
-                try:
-                    events = parser.feed(piece) if piece else parser.flush()
-                except SSEDecodeError as exc:
-                    raise UpstreamIncomplete(str(exc)) from None
-                for event in events:
-                    # Charged per whole frame (its partial charge released first): the same
-                    # checks, in the same order, however the stream was split into reads.
+            while True:
+                if fast is not None and todo and not parser.pending:
+                    segment, todo = await fast.split(todo)  # forwards the regular frames first
+                else:
+                    segment, todo = todo, b""
+                for piece in [segment] if len(segment) <= SLICE else _slices(segment):
+                    if not piece and not ended:
+                        continue  # all of it forwarded (or an empty read)
+                    try:
+                        events = parser.feed(piece) if piece else parser.flush()
+                    except SSEDecodeError as exc:
+                        raise UpstreamIncomplete(str(exc)) from None
+                    for event in events:
+                        # Charged per whole frame (its partial charge released first): the same
+                        # checks, in the same order, however the stream was split into reads.
+                        if held:
+                            ledger.release(held)
+                            held = 0
+                        frame = ledger.admit_stream_bytes(event.raw_len)
+                        upstream_event = _decode(event, ledger)
+                        if upstream_event is not None:
+                            yield upstream_event
+                        ledger.release(frame)
+                        frame = 0
                     if held:
                         ledger.release(held)
                         held = 0
-                    frame = ledger.admit_stream_bytes(event.raw_len)
-                    upstream_event = _decode(event, ledger)
-                    if upstream_event is not None:
-                        yield upstream_event
-                    ledger.release(frame)
-                    frame = 0
-                if held:
-                    ledger.release(held)
-                    held = 0
-                pending = parser.pending
-                if pending:
-                    held = ledger.admit_stream_bytes(pending, transient=False)
+                    pending = parser.pending
+                    if pending:
+                        held = ledger.admit_stream_bytes(pending, transient=False)
+                if not todo:
+                    break
     finally:
         ledger.release(held + frame)  # what the parser held is gone with it
         if timer is not None:
             timer.cancel()
         with contextlib.suppress(Exception):
             await chunks.aclose()  # type: ignore[attr-defined]
+
+
+class _FastPath:
+    """The fast path of one stream (`read_stream_events` with ``on_run``): `split` hands the
+    regular frames at the start of what is left of a read to ``on_run`` and cuts the next frame
+    off for the exact path."""
+
+    __slots__ = ("_client", "_ledger", "_names", "_on_run")
+
+    def __init__(
+        self, ledger: Ledger, client: ClientStream, on_run: Callable[[bytes, int], Awaitable[None]]
+    ) -> None:
+        self._ledger = ledger
+        self._client = client
+        self._on_run = on_run
+        self._names: dict[bytes, str] = {}  # event names found regular in this stream
+
+    async def split(self, chunk: bytes) -> tuple[bytes, bytes]:
+        """Forward the regular frames at the start of `chunk` (bytes of an upstream read that
+        start at a frame boundary, the parser holding nothing) when the one ledger bound for all
+        of `chunk` fits and the pool has room; return ``(segment, rest)``: `segment` for the
+        exact path (the next frame, up to and with its blank line; all of what is left when no
+        blank line follows), `rest` for this method again."""
+        end, count, widest = regular_prefix(chunk, self._client.next_sequence, self._names)
+        if count and self._ledger.stream_read_fits(len(chunk), widest):
+            try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
+                charge = self._ledger.admit_stream_bytes(widest)
+            except (BudgetExceeded, PoolExhausted):
+                end = 0  # left unchanged: the exact path meets the same refusal, at its frame
+            else:
+                try:
+                    await self._on_run(chunk if end == len(chunk) else chunk[:end], count)
+                finally:
+                    self._ledger.release(charge)
+        else:
+            end = 0
+        cut = chunk.find(b"\n\n", end)
+        if cut < 0:
+            return chunk[end:], b""
+        return chunk[end : cut + 2], chunk[cut + 2 :]
 
 
 def _slices(chunk: bytes) -> list[bytes]:
@@ -259,7 +318,7 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
     data = event.data
     if not data.strip() or data == b"[DONE]":
         return None
-    ledger.check_stream_frame(data)
+    ledger.check_stream_frame_bounded(data)
     try:
         obj = loads_upstream(data)
     except UnicodeDecodeError:
@@ -351,15 +410,20 @@ async def read_round(
     client: ClientStream | None = None,
     acc: StreamAccumulator | None = None,
     on_event: Callable[[UpstreamEvent], Awaitable[None]] | None = None,
+    on_run: Callable[[bytes, int], Awaitable[None]] | None = None,
 ) -> str:
     """Read one streamed round up to its terminal event (`read_stream_events`, closed as soon as
     the round ends, however it ends, so what the reader holds is released then): each event is
-    kept by `acc` and handed to `on_event` (forwarding); returns the terminal event's type.
+    kept by `acc` and handed to `on_event` (forwarding); returns the terminal event's type. With
+    `on_run` (forwarding without `acc`): runs of regular frames go to it as received instead
+    (`read_stream_events`' fast path).
 
     Raises `UpstreamStreamError` for an in-band ``error`` event, `UpstreamIncomplete` when the
     stream ends without a terminal event, and whatever the reader raises.
     """
-    async with contextlib.aclosing(read_stream_events(response, ledger, client=client)) as events:
+    async with contextlib.aclosing(
+        read_stream_events(response, ledger, client=client, on_run=on_run)
+    ) as events:
         async for event in events:
             if event.type == "error":
                 raise stream_error_failure(event.obj)

@@ -1,0 +1,250 @@
+"""The stream fast path (issue 21 item 1): runs of regular frames forwarded as received.
+
+The property: on every generated stream (framing, read splits and the irregular cases the issue
+lists), `read_round` with the fast path (``on_run``) and without it give the client the same bytes
+and end the same way (terminal type, or the same failure class and code), at any ledger limit. Plus
+units for `regular_prefix` and checks that the fast path really is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from budget import BudgetExceeded, ChargeModel, Ledger
+from middleware.asgi.client_stream import ClientStream
+from middleware.upstream.errors import UpstreamError
+from middleware.upstream.fastpath import _frame_by_frame, _vectorised, regular_prefix
+from middleware.upstream.reader import UpstreamEvent, read_round
+
+
+class _Response:
+    """An upstream response whose body arrives as the given reads."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self._reads = reads
+
+    async def _gen(self) -> AsyncIterator[bytes]:
+        for read in self._reads:
+            yield read
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self._gen()
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _frame(kind: str, body: dict[str, Any] | bytes, name: str | None = None) -> bytes:
+    data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+    return b"event: " + (name or kind).encode() + b"\ndata: " + data + b"\n\n"
+
+
+def run_stream(
+    reads: list[bytes], *, fast: bool, limit: int, model: str = "reference"
+) -> tuple[bytes, str, int]:
+    """(client bytes, outcome, runs taken): outcome is the terminal type or ``Class:code``."""
+
+    async def go() -> tuple[bytes, str, int]:
+        out: list[bytes] = []
+        runs = 0
+
+        async def send(message: Any) -> None:
+            if message["type"] == "http.response.body":
+                out.append(message["body"])
+
+        client = ClientStream(send)
+        ledger = Ledger(limit, model=ChargeModel.named(model), store=False)
+
+        async def on_event(event: UpstreamEvent) -> None:
+            await client.forward(event.type, event.data, event.obj, changed=event.changed)
+
+        async def on_run(frames: bytes, count: int) -> None:
+            nonlocal runs
+            runs += 1
+            await client.forward_run(frames, count)
+
+        try:
+            outcome = await read_round(
+                _Response(reads), ledger, client=client, on_event=on_event, on_run=on_run if fast else None
+            )
+        except (UpstreamError, BudgetExceeded) as exc:
+            outcome = f"{type(exc).__name__}:{getattr(exc, 'code', None)}"
+        await client.flush()
+        assert ledger.charged == 0  # everything the reader charged is released
+        return b"".join(out), outcome, runs
+
+    return asyncio.run(go())
+
+
+def _delta(seq: int, text: str = "hi") -> bytes:
+    return _frame(
+        "response.output_text.delta",
+        {"type": "response.output_text.delta", "sequence_number": seq, "output_index": 0, "delta": text},
+    )
+
+
+_IRREGULAR: list[bytes] = [
+    b": a comment\n\n",
+    b"id: 7\n",
+    b"retry: 10\n",
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":1.0}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":true}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":99}'),
+    _frame("x.delta", b'{"sequence_number":SEQ}'),
+    _frame("x.delta", b'{"type":"y.delta","sequence_number":SEQ}', name="x.delta"),
+    _frame("x.delta", b'{"type":"x.delta","type":"z","sequence_number":SEQ}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"n":NaN}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"\xff"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"\\ud800"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"\\ud83d\\ude00"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a\tb"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a\x01b"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a\rb"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ}\x0c'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":' + b"[" * 300 + b"]" * 300 + b"}"),
+    _frame("x.delta", b"[1,2]"),
+    _frame("x.delta", b"[DONE]"),
+    _frame("x.delta", b"not json"),
+    _frame("bad name!", b'{"type":"bad name!","sequence_number":SEQ}'),
+    b"event: x.delta\r\ndata: {}\r\n\r\n",
+    b'data: {"type":"x.delta","sequence_number":0}\n\n',
+    b'event: x.delta\ndata: {"type":\n',
+    b'data: "x.delta","sequence_number":0}\n\n',
+    _frame("error", {"type": "error", "sequence_number": "SEQ", "code": "boom", "message": "m"}),
+    _frame(
+        "response.created", {"type": "response.created", "sequence_number": "SEQ", "response": {"id": "r"}}
+    ),
+    _frame(
+        "response.in_progress", {"type": "response.in_progress", "sequence_number": "SEQ", "response": {}}
+    ),
+]
+
+
+def _numbered(frame: bytes, seq: int) -> bytes:
+    """`frame` with its ``SEQ`` placeholder set to `seq` (the client's next number there)."""
+    return frame.replace(b'"SEQ"', b"SEQ").replace(b"SEQ", str(seq).encode())
+
+
+def _terminal(seq: int) -> bytes:
+    return _frame(
+        "response.completed", {"type": "response.completed", "sequence_number": seq, "response": {}}
+    )
+
+
+_TERMINAL = _terminal(0)
+#: Frames of other shapes that are regular all the same (valid UTF-8, escapes, spaces).
+_ALSO_REGULAR: list[bytes] = [
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"caf\xc3\xa9"}'),
+    _frame("x.delta", b'{ "type" : "x.delta" , "sequence_number" : SEQ, "d": "\\n\\u0041" }'),
+]
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> list[bytes]:
+    """A stream of regular deltas (numbered from 0, as the client will number them) with
+    irregular frames mixed in, maybe a terminal event (perhaps mid-read), split into reads."""
+    parts: list[bytes] = []
+    seq = 0
+    for _ in range(draw(st.integers(0, 12))):
+        if draw(st.integers(0, 3)) == 0:
+            parts.append(_numbered(draw(st.sampled_from(_IRREGULAR + _ALSO_REGULAR)), seq))
+        else:
+            parts.append(_delta(seq, draw(st.sampled_from(["hi", "x" * 300, "é", ""]))))
+        seq += 1
+    if draw(st.booleans()):
+        parts.append(_TERMINAL)
+        if draw(st.booleans()):
+            parts.append(_delta(seq + 1))  # after the terminal event, in the same read or not
+    body = b"".join(parts)
+    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
+    reads, last = [], 0
+    for cut in [*cuts, len(body)]:
+        if cut > last:
+            reads.append(body[last:cut])
+            last = cut
+    return reads
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    streams(),
+    st.sampled_from([4096 * 16, 200_000, 1_000_000, 64 << 20]),
+    st.sampled_from(["reference", "measured"]),
+)
+def test_fast_and_exact_paths_give_the_same_bytes_and_outcome(
+    reads: list[bytes], limit: int, model: str
+) -> None:
+    fast = run_stream(reads, fast=True, limit=limit, model=model)
+    exact = run_stream(reads, fast=False, limit=limit, model=model)
+    assert fast[:2] == exact[:2]
+    assert exact[2] == 0
+
+
+def test_a_regular_stream_goes_in_one_run_per_read_byte_for_byte() -> None:
+    body = b"".join(_delta(i) for i in range(100)) + _terminal(100)
+    out, outcome, runs = run_stream([body], fast=True, limit=64 << 20)
+    assert outcome == "response.completed"
+    assert runs == 1
+    assert out == body  # already numbered 0..100: every frame as received
+
+
+def test_the_fast_path_stops_at_the_first_irregular_frame_and_resumes_after_it() -> None:
+    head = b"".join(_delta(i) for i in range(3))
+    renumbered = _delta(40)  # the client's next number is 3: re-encoded with 3
+    reads = [head + renumbered + _delta(4), b"".join(_delta(i) for i in range(5, 8)) + _terminal(8)]
+    out, outcome, runs = run_stream(reads, fast=True, limit=64 << 20)
+    assert outcome == "response.completed"
+    assert runs == 3  # 0-2; 4 after the renumbered frame; the second read
+    assert out == head + _delta(3) + b"".join(_delta(i) for i in range(4, 8)) + _terminal(8)
+
+
+def test_frames_take_the_exact_path_until_the_bound_for_the_rest_of_the_read_fits() -> None:
+    frame = len(_delta(0, "x" * 2000))
+    body = b"".join(_delta(i, "x" * 2000) for i in range(20)) + _terminal(20)
+    limit = 48 * 5 * frame + 512 * 2100  # one frame fits; the rest of the read once 5 are left
+    out, outcome, runs = run_stream([body], fast=True, limit=limit)
+    assert runs == 1
+    assert (out, outcome) == run_stream([body], fast=False, limit=limit)[:2]
+    assert outcome == "response.completed"
+    assert out == body
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams(), st.integers(0, 3))
+def test_list_wise_and_frame_by_frame_classification_agree(reads: list[bytes], start: int) -> None:
+    block = b"".join(reads)
+    exact = _frame_by_frame(block, start, {})
+    assert _vectorised(block, start, {}) in (None, exact)  # None: left to the frame-by-frame walk
+    assert regular_prefix(block, start, {}) == exact
+
+
+@pytest.mark.parametrize("frame", _IRREGULAR)
+def test_regular_prefix_stops_at_each_irregular_shape(frame: bytes) -> None:
+    block = _delta(0) + _numbered(frame, 1) + _delta(2)
+    end, count, widest = regular_prefix(block, 0, {})
+    assert (end, count) == (len(_delta(0)), 1)
+    assert widest == len(_delta(0)) - 42  # the data payload: the frame less its event and data lines
+
+
+@pytest.mark.parametrize(
+    "frame", [_frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a"}'), *_ALSO_REGULAR]
+)
+def test_the_same_frames_regular_are_taken(frame: bytes) -> None:
+    """The control for the test above: frames of the same kind, numbered right, are taken."""
+    block = _delta(0) + _numbered(frame, 1) + _delta(2)
+    assert regular_prefix(block, 0, {})[:2] == (len(block), 3)
+
+
+def test_regular_prefix_counts_frames_and_caches_names() -> None:
+    names: dict[bytes, str] = {}
+    block = _delta(5) + _delta(6) + b"event: x"
+    assert regular_prefix(block, 5, names) == (2 * len(_delta(5)), 2, len(_delta(5)) - 42)
+    assert names == {b"response.output_text.delta": "response.output_text.delta"}
+    assert regular_prefix(block, 4, names)[1] == 0  # not the client's next number
