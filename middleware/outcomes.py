@@ -390,7 +390,8 @@ def resolve(
     if note:
         message = f"{message} {note}"
     if after_tools and not row.replay:
-        message = f"{message} {AFTER_TOOLS_NOTE}"
+        end = "" if message.rstrip().endswith((".", "!", "?")) else "."
+        message = f"{message.rstrip()}{end} {AFTER_TOOLS_NOTE}"
     return Outcome(
         row=key,
         status=status,

@@ -73,7 +73,7 @@ def settings_for(stack: str, **overrides: Any) -> Settings:
 def bounded(stack: str, **overrides: Any) -> Iterator[tuple[str, int]]:
     """The gateway on `stack` with the bounds ``serve`` would pass; yields (base URL, port)."""
     settings = settings_for(stack, **overrides)
-    with serve_asgi(create_app(settings), loop=settings.loop, **connection_options(settings)) as url:
+    with serve_asgi(create_app(settings), **connection_options(settings)) as url:
         yield url, int(url.rsplit(":", 1)[1])
 
 
@@ -310,7 +310,7 @@ def test_well_behaved_traffic_is_untouched_a_slow_body_is_not_a_slow_head(stack:
         before = MetricDelta()
         settings = settings_for(stack)
         app = create_app(dataclasses.replace(settings, upstream=upstream.base_url))
-        with serve_asgi(app, loop=settings.loop, **connection_options(settings)) as url:
+        with serve_asgi(app, **connection_options(settings)) as url:
             port = int(url.rsplit(":", 1)[1])
             sock = connect(port)
             body = b'{"model":"m","store":false,"input":"hi"}'

@@ -106,7 +106,7 @@ def validate_compact_request(request: dict[str, Any]) -> None:
         if request.get(name) not in (None, False):
             raise InvalidRequest(
                 f"{name} is not a parameter of /v1/responses/compact (it takes model, input, instructions, "
-                "previous_response_id, prompt_cache_key, service_tier); leave it out",
+                "previous_response_id, prompt_cache_key, prompt_cache_retention, service_tier); leave it out",
                 code="unsupported_parameter",
                 param=name,
             )
@@ -116,7 +116,7 @@ def validate_compact_request(request: dict[str, Any]) -> None:
             raise InvalidRequest(f"{name} must be a string or null", code="invalid_type", param=name)
     if request.get("input") in (None, "", []) and request.get("previous_response_id") is None:
         raise InvalidRequest(
-            "compaction requires input or previous_response_id: send the conversation to compact",
+            "compaction needs a non-empty input or a previous_response_id: send the conversation to compact",
             code="missing_required_parameter",
             param="input",
         )

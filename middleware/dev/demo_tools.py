@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
 
 from middleware.tools import McpServerConfig, ToolCatalog
 
@@ -159,8 +160,10 @@ def create_demo_server() -> MCPServer[Any]:
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
-    server.tool()(get_time)
-    server.tool()(calculate)
+    # both only read: a failure after them may be retried (x-should-retry is not forced false)
+    read_only = ToolAnnotations(readOnlyHint=True)
+    server.tool(annotations=read_only)(get_time)
+    server.tool(annotations=read_only)(calculate)
     return server
 
 
