@@ -161,7 +161,7 @@ def create_demo_server() -> MCPServer[Any]:
         root.handlers[:] = handlers
         root.setLevel(level)
     # both only read: a failure after them may be retried (x-should-retry is not forced false)
-    read_only = ToolAnnotations(readOnlyHint=True)
+    read_only = ToolAnnotations(read_only_hint=True)
     server.tool(annotations=read_only)(get_time)
     server.tool(annotations=read_only)(calculate)
     return server
