@@ -207,6 +207,15 @@ def test_a_stream_resumes_with_starting_after_after_a_dropped_connection(upstrea
         with pytest.raises(openai.BadRequestError) as info:
             list(client.responses.retrieve(response_id, stream=True, starting_after=-1))  # type: ignore[arg-type]
         assert info.value.param == "starting_after"
+        # past a 64-bit store INTEGER: a 400 naming it, not a 500 from the store
+        for huge in (str(2**63), "9" * 30):
+            raw = httpx.get(
+                f"{url}/v1/responses/{response_id}",
+                params={"stream": "true", "starting_after": huge},
+                timeout=10,
+                headers=AUTH,
+            )
+            assert raw.status_code == 400 and raw.json()["error"]["param"] == "starting_after", raw.text
 
 
 def test_a_buffered_or_foreground_response_has_no_events_to_resume(upstream: MockUpstream) -> None:

@@ -378,6 +378,19 @@ def test_another_caller_is_not_answered_from_the_shield(upstream: MockUpstream) 
     assert len(upstream.requests) == 2
 
 
+def test_on_an_open_gateway_two_keys_from_one_address_are_two_callers(upstream: MockUpstream) -> None:
+    """Without --api-key the admission caller is the client address, but the store's owner is the
+    key presented: a failure of key Y (same address) must not answer key X's identical request."""
+    upstream.push(*(Reply.json(response_obj([message_item("y" * 400_000)])) for _ in range(2)))
+    body = json.dumps({"model": "m", "input": "x"}).encode()
+    with gateway(upstream) as (url, _):
+        y = codex_like(url, body, 2, {"authorization": "Bearer key-y"})
+        x = codex_like(url, body, 1, {"authorization": "Bearer key-x"})
+    assert [HIT in r.headers for r in y] == [False, True]
+    assert HIT not in x[0].headers and x[0].status_code == y[0].status_code == 502
+    assert len(upstream.requests) == 2
+
+
 def test_the_window_ends_and_zero_turns_the_shield_off(upstream: MockUpstream) -> None:
     big = Reply.json(response_obj([message_item("y" * 400_000)]))
     upstream.push(big, big, big, big)

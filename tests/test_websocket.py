@@ -337,6 +337,36 @@ def test_a_508_mid_turn_is_an_error_then_response_failed_and_the_next_turn_runs(
     assert m.delta(CAP, limit="max_infer_iters", outcome="sse_error") == 0  # not counted as http
 
 
+def test_a_repeated_failing_turn_runs_again_and_is_not_a_retry_shield_replay(upstream: MockUpstream) -> None:
+    """The retry shield replays HTTP answers; on a WebSocket each turn's failure is an envelope
+    of its connection, so two identical failing turns both run (both reach the upstream) and both
+    say their own status (a replay once said ``"status": 200``)."""
+    probe = Probe()
+    upstream.push(*[fc_stream(FC(f"call_{i}", "lookup", "{}")) for i in range(4)])
+    tools = {"type": "mcp", "server_label": "tools", "require_approval": "never"}
+    with (
+        serve_mcp(build_tools_server(probe)) as (mcp, _),
+        ws_gateway(
+            upstream, mcp_server=(f"tools={mcp}",), max_infer_iters=2, retry_shield_seconds=30.0
+        ) as url,
+    ):
+
+        async def main() -> list[list[dict[str, Any]]]:
+            async with websockets.connect(ws_url(url)) as ws:
+                message = create(input="loop", tools=[tools], store=False)
+                return [await turn(ws, message), await turn(ws, message)]
+
+        turns = run(main())
+    for events in turns:
+        error = events[-2]
+        assert (error["type"], error["status"], error["error"]["code"]) == (
+            "error",
+            508,
+            "max_infer_iters_exceeded",
+        )
+    assert len(upstream.requests) == 4
+
+
 def test_a_ledger_overflow_mid_turn_is_a_502_error_then_response_failed(upstream: MockUpstream) -> None:
     big = [text_delta(2 + i, "y" * 16_384) for i in range(100)]
     upstream.push(Reply.sse([*PRE(), *big, DONE(102, [message_item("never")])]), answer("small"))

@@ -334,7 +334,7 @@ class _Guard:
                 outcome.code,
                 REQUEST_ID.get(),
                 shield.clock(),
-                caller=self.intake.caller,
+                caller=self.intake.shield_identity,
             )
             shield.remember(key, answer)
         except Exception:

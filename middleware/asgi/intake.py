@@ -142,6 +142,7 @@ class Intake:
         self.config = config
         self.owner = ""
         self.caller = ""
+        self.shield_identity = ""
         self.reservation: RequestReservation | None = None
         self.ledger: Ledger | None = None
         self.model_label = "other"
@@ -156,6 +157,9 @@ class Intake:
         """Run the checks; the admitted request, its ledger charged with the body."""
         self.owner = self.config.authenticator.owner(self.scope)
         self.caller = self.config.authenticator.caller(self.scope, self.owner)
+        # the shield's identity is the store's owner as well as the admission caller: on an open
+        # gateway the caller is the client address, which callers with different keys share
+        self.shield_identity = self.caller if self.caller == self.owner else f"{self.caller} {self.owner}"
         limits = self.effective_limits()
         permissive = self.config.permissive_model
         clamp = permissive.body_clamp(limits.max_retained_bytes)
@@ -243,16 +247,16 @@ class Intake:
         parsed request (`canonical_digest`, computed once, here if not yet) when it parsed, else of
         the body's bytes; None before the whole body was read or with the shield off."""
         if self._parsed is not None and self._parsed_key is None:
-            self._parsed_key = request_key(self.caller, self._limits, canonical_digest(self._parsed))
+            self._parsed_key = request_key(self.shield_identity, self._limits, canonical_digest(self._parsed))
         return self._parsed_key or self._raw_key
 
     def _shield_read(self, limits: Limits) -> None:
         """The whole body is read: its key from its bytes; `ShieldHit` when the shield has it."""
         shield = self.config.shield
-        if shield is None or not shield.enabled:
-            return
+        if shield is None or not shield.enabled or turn_of(self.scope) is not None:
+            return  # a WebSocket turn's failure is an envelope on its connection, not a replayable answer
         self._limits = (limits.max_retained_bytes, limits.max_infer_iters)
-        self._raw_key = request_key(self.caller, self._limits, self._digest.digest())
+        self._raw_key = request_key(self.shield_identity, self._limits, self._digest.digest())
         self._raise_hit(shield, self._raw_key)
 
     def _shield_parsed(self, request: dict[str, Any]) -> None:
@@ -262,7 +266,7 @@ class Intake:
         if shield is None or self._raw_key is None:
             return
         self._parsed = request
-        if shield.knows(self.caller):
+        if shield.knows(self.shield_identity):
             key = self.shield_key()
             assert key is not None
             self._raise_hit(shield, key)

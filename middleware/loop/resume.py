@@ -96,9 +96,9 @@ def _starting_after(request: Request) -> int:
         value = int(raw)
     except ValueError:
         value = -1
-    if value < 0:
+    if not 0 <= value < 2**63:  # a store's INTEGER is 64-bit
         raise InvalidRequest(
-            f"starting_after must be an integer >= 0 (a sequence_number), got {raw!r}",
+            f"starting_after must be an integer in 0..2**63-1 (a sequence_number), got {raw[:40]!r}",
             code="invalid_value",
             param="starting_after",
         )
