@@ -286,6 +286,49 @@ def _stored_status(db: Path, response_id: str, wanted: str, timeout: float = 20.
         time.sleep(0.1)
 
 
+def test_one_caller_runs_at_most_its_share_of_the_upstream_connections_as_background_tasks(
+    upstream: MockUpstream, tmp_path: Path
+) -> None:
+    """A background task outlives its client: without a per-caller cap one key could hold every
+    upstream connection (--upstream-max-connections) with detached tasks and starve the others.
+    With 2 connections and the default share 0.5, one task per caller runs at a time."""
+    release = threading.Event()
+    upstream.push(held(release, response_obj([message_item("a")])))
+    upstream.push(Reply.json(response_obj([message_item("b")])))
+    db = tmp_path / "store.db"
+    try:
+        with gateway(
+            upstream,
+            store=f"sqlite:///{db}",
+            upstream_max_connections=2,
+            upstream_read_timeout=30,
+            api_key=("client-key", "other-key"),  # callers are keys (an open gateway's are addresses)
+        ) as (url, _):
+            first = sdk(url).responses.create(model="m", input="hi", background=True)
+            _stored_status(db, first.id, "in_progress")
+            refused = httpx.post(
+                f"{url}/v1/responses",
+                json={"model": "m", "input": "again", "background": True},
+                headers=AUTH,
+                timeout=10,
+            )
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "server_overloaded"
+            assert "background responses" in refused.json()["error"]["message"]
+            other = httpx.post(
+                f"{url}/v1/responses",
+                json={"model": "m", "input": "other", "background": True},
+                headers={"authorization": "Bearer other-key"},
+                timeout=10,
+            )
+            assert other.status_code == 200 and other.json()["status"] == "queued", other.text
+            release.set()
+            _stored_status(db, first.id, "completed")
+        assert len(upstream.requests) == 2  # the refused one never went upstream
+    finally:
+        release.set()
+
+
 def test_a_full_pool_answers_503_before_anything_is_stored(upstream: MockUpstream, tmp_path: Path) -> None:
     release = threading.Event()
     upstream.push(held(release, response_obj([message_item("first")])))

@@ -56,7 +56,7 @@ from budget import Ledger
 from middleware import outcomes
 from middleware.asgi.client_stream import ClientStream
 from middleware.config import Settings
-from middleware.errors import WorkerLost
+from middleware.errors import CallerShareFull, WorkerLost
 from middleware.ids import new_id
 from middleware.loop.context import RequestContext, RequestHooks
 from middleware.loop.echo import normalise_response
@@ -122,6 +122,7 @@ class BackgroundTask:
     log: EventLog | None
     ledger: Ledger
     reservation: RequestReservation | None
+    caller: str = ""  # the admission caller (`Intake.caller`), for the per-caller task cap
     started: float = dataclasses.field(default_factory=time.monotonic)
     cancel_requested: bool = False
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -198,8 +199,10 @@ class BackgroundTasks:
     # -- create --------------------------------------------------------------------------------
     async def launch(self, ctx: RequestContext, intake: Intake) -> BackgroundTask:
         """Store the request's response ``queued`` with its task row, take over the request's
-        ledger and reservation from ``intake`` and start its task. Raises what the store raises
-        (nothing is taken over then)."""
+        ledger and reservation from ``intake`` and start its task. Raises `CallerShareFull` when
+        the caller already runs its share of the upstream connections as background tasks on this
+        worker (`caller_task_cap`), and what the store raises (nothing is taken over then)."""
+        self._check_caller_share(intake.caller)
         response_id = new_id("resp")
         queued = queued_object(response_id, ctx.request)
         previous = queued["previous_response_id"]
@@ -223,10 +226,33 @@ class BackgroundTasks:
         event_log = EventLog(self.settings.background_event_log_bytes, ledger) if ctx.stream else None
         sink = ClientStream(_sink(event_log), keepalive_interval=self.settings.keepalive_interval)
         task_ctx = dataclasses.replace(ctx, client=sink, hooks=RequestHooks(), response_id=response_id)
-        task = BackgroundTask(response_id, task_ctx, queued, event_log, ledger, reservation)
+        task = BackgroundTask(response_id, task_ctx, queued, event_log, ledger, reservation, intake.caller)
         self.tasks[response_id] = task
         task.runner = asyncio.create_task(self._run(task))
         return task
+
+    @property
+    def caller_task_cap(self) -> int:
+        """Background tasks one caller may run at once on this worker: its share
+        (``--max-inflight-share-per-caller``) of ``--upstream-max-connections``, at least 1. A
+        background task outlives its client, so the pool's byte share alone (about 0.5 MB a
+        task) would let one caller hold every upstream connection and starve the others."""
+        settings = self.settings
+        return max(1, int(settings.max_inflight_share_per_caller * settings.upstream_max_connections))
+
+    def _check_caller_share(self, caller: str) -> None:
+        running = sum(1 for task in self.tasks.values() if task.caller == caller)
+        cap = self.caller_task_cap
+        if running >= cap:
+            raise CallerShareFull(
+                f"the gateway refuses this caller for now: it already runs {running} background responses "
+                f"on this worker, its share (--max-inflight-share-per-caller × --upstream-max-connections = "
+                f"{cap}) of the upstream connections; retry after {self.settings.retry_after:g} s, once "
+                "one has ended (or cancel one)",
+                requested=1,
+                held=running,
+                share=cap,
+            )
 
     async def answer(self, task: BackgroundTask, client: ClientStream, receive: Receive) -> None:
         """Answer the create request: the ``queued`` object, or the task's events as they come
