@@ -458,6 +458,48 @@ def test_oversize_messages_close_1009(upstream: MockUpstream) -> None:
     assert len(upstream.requests) == 0
 
 
+@pytest.mark.parametrize("room", [True, False], ids=["pool-holds-it", "share-refuses-it"])
+def test_a_message_sent_during_a_turn_is_held_in_the_pool_or_refused_with_1013(
+    upstream: MockUpstream, room: bool
+) -> None:
+    """A ``response.create`` sent while a turn runs waits for its turn in memory: it is drawn from
+    the pool (with room for one more message uvicorn may read meanwhile, ``ws_max_size``). With
+    room it is served next; when the caller's share cannot hold it, the turn in flight finishes,
+    then the connection gets 503 ``server_overloaded`` and closes 1013, and the message never runs."""
+    import threading
+
+    hold = threading.Event()
+    upstream.push(Reply.sse([*PRE(), hold, DONE(2, [message_item("first")])]), answer("second"))
+    share = {"max_inflight_share_per_caller": 1.0} if room else {}  # else 0.5 of 4 MiB < ws_max_size
+    with ws_gateway(upstream, max_inflight_retained_bytes=(8 if room else 4) * B, **share) as url:
+
+        async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
+            async with websockets.connect(ws_url(url)) as ws:
+                await ws.send(create(input="first", store=False))
+                assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "response.created"
+                await ws.send(create(input="second", store=False))  # arrives while the first runs
+                await asyncio.sleep(0.5)
+                hold.set()
+                first = await turn(ws)
+                try:
+                    second = await turn(ws)
+                except websockets.ConnectionClosed:
+                    second = []
+                if not room:
+                    with contextlib.suppress(websockets.ConnectionClosed, TimeoutError):
+                        await asyncio.wait_for(ws.recv(), 10)
+                return first, second, ws.close_code
+
+        first, second, code = run(main())
+    assert first[-1]["type"] == "response.completed"
+    if room:
+        assert second[-1]["type"] == "response.completed" and len(upstream.requests) == 2
+    else:
+        assert len(upstream.requests) == 1
+        assert second and second[0]["type"] == "error" and second[0]["status"] == 503, second
+        assert second[0]["error"]["code"] == "server_overloaded" and code == 1013
+
+
 def test_a_wrong_api_key_is_401_then_1008_and_a_saturated_pool_1013(upstream: MockUpstream) -> None:
     import threading
 

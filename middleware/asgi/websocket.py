@@ -290,6 +290,9 @@ class _Connection:
         self.reservation: RequestReservation | None = None
         self.memory: ConnectionMemory | None = None
         self.pending: Message | None = None  # a message received while a turn ran
+        self.pending_held = 0  # pool bytes drawn for it (`_hold_pending`)
+        self.refused: Failure | None = None  # a message the pool could not hold: close after the turn
+        self.caller = ""
         self.gone = asyncio.Event()
 
     async def run(self) -> None:
@@ -301,13 +304,14 @@ class _Connection:
         if refusal is not None:
             await self._close_with(*refusal)
             return
-        caller = self.config.authenticator.caller(self.scope, self.owner)
+        caller = self.caller = self.config.authenticator.caller(self.scope, self.owner)
         self.reservation = self.config.pool.connection_share(caller=caller)
         ledger = Ledger(self.limits.max_retained_bytes, self.config.charge_model, pool=self.reservation)
         self.memory = ConnectionMemory(ledger)
         try:
             await self._serve()
         finally:
+            self._release_pending()
             self.memory.forget()
             ledger.release_all()
             self.reservation.close()
@@ -336,12 +340,16 @@ class _Connection:
         """The turns, one at a time, until the connection ends."""
         clamp = self.app.responses.intake.permissive_model.body_clamp(self.limits.max_retained_bytes)
         while True:
+            if self.refused is not None:
+                await self._close_with(self.refused, CLOSE_TRY_LATER)
+                return
             message = self.pending or await self._next_message()
             self.pending = None
             if message is None:
                 return
             data = message.get("text")
             raw = data.encode() if isinstance(data, str) else message.get("bytes") or b""
+            self._release_pending()  # from here the turn's own intake charges it
             ending = self._ending()
             if ending is not None:
                 await self._close_with(*ending)
@@ -498,7 +506,7 @@ class _Connection:
             if body:
                 return {"type": "http.request", "body": body.pop(), "more_body": False}
             while True:
-                if self.pending is not None or self.gone.is_set():
+                if self.pending is not None or self.refused is not None or self.gone.is_set():
                     await self.gone.wait()
                     return {"type": "http.disconnect"}
                 reading = asyncio.ensure_future(self.receive())
@@ -512,11 +520,37 @@ class _Connection:
                     if reading.done() and not reading.cancelled() and reading.exception() is None:
                         message = reading.result()
                         if message["type"] == "websocket.receive":
-                            self.pending = message
+                            self._hold_pending(message)
                         else:
                             self._disconnected(message)
 
         return receive
+
+    def _hold_pending(self, message: Message) -> None:
+        """Keep a message that arrived while a turn runs for the next turn, its memory drawn from
+        the pool under the connection's caller: the message (at the widest text width, 4 bytes a
+        character) plus one more of ``ws_max_size`` that uvicorn may read into its own queue
+        meanwhile. When the pool (or the caller's share) has no room, the message is dropped and
+        the connection closes 1013 once the turn in flight has ended."""
+        data = message.get("text")
+        size = 4 * len(data) if isinstance(data, str) else len(message.get("bytes") or b"")
+        cost = size + self.app.responses.intake.permissive_model.body_clamp(
+            self.config.limits.max_retained_bytes
+        )
+        refused = self.config.pool.draw(cost, caller=self.caller)
+        if refused is None:
+            self.pending, self.pending_held = message, cost
+            return
+        self.refused = Overloaded(
+            f"a message sent while a turn ran would need {cost} budget bytes held until its turn, and the "
+            f"process pool has no room ({refused}); send the next response.create after the current turn's "
+            f"terminal event, and reconnect after {self.config.retry_after:g} s"
+        )
+
+    def _release_pending(self) -> None:
+        if self.pending_held:
+            self.config.pool.give(self.pending_held, caller=self.caller)
+            self.pending_held = 0
 
     async def _close_with(self, failure: Failure, code: int) -> None:
         """Answer ``failure`` (the outcome table: counted, logged) with the WebSocket error
