@@ -62,13 +62,9 @@ from middleware.errors import (
     BodyTimeout,
     BodyTooLarge,
     CallerShareExhausted,
-    CallerShareFull,
-    CallerShareTooLarge,
     InvalidHeader,
     InvalidRequest,
     ModelNotFound,
-    Overloaded,
-    ProcessBudgetExceeded,
     ShieldHit,
     ShuttingDown,
 )
@@ -296,43 +292,9 @@ class Intake:
             if declared is None
             else min(limits.max_retained_bytes, declared * model.reserve_per_byte())
         )
-        if initial > pool.budget:
-            raise ProcessBudgetExceeded(
-                f"this request would reserve {initial} budget bytes, more than this worker's whole pool of "
-                f"{pool.budget} (--max-inflight-retained-bytes); lower loopwarden-max-retained-bytes or send less",
-                requested=initial,
-                limit=pool.budget,
-            )
-        if initial > pool.caller_cap:
-            hint = (
-                "send a Content-Length (a body without one reserves max_retained_bytes), "
-                if declared is None
-                else ""
-            )
-            raise CallerShareTooLarge(
-                f"this request would reserve {initial} budget bytes, more than one caller's whole share of "
-                f"this worker's pool: {pool.caller_cap} (--max-inflight-share-per-caller={pool.share:g} of "
-                f"--max-inflight-retained-bytes={pool.budget}); {hint}lower loopwarden-max-retained-bytes or "
-                "send less, or ask the operator to raise the share",
-                requested=initial,
-                limit=pool.caller_cap,
-            )
-        reason = pool.refusal(initial)
-        if reason is not None:
-            raise Overloaded(
-                f"the gateway is overloaded: {reason}; retry after {self.config.retry_after:g} s",
-                requested=initial,
-            )
-        reason = pool.share_refusal(initial, caller=self.caller)
-        if reason is not None:
-            raise CallerShareFull(
-                f"the gateway refuses this caller for now: {reason}; retry after "
-                f"{self.config.retry_after:g} s, once fewer of its requests are in flight",
-                requested=initial,
-                held=pool.held(self.caller),
-                share=pool.caller_cap,
-            )
-        return pool.admit(initial, caller=self.caller)
+        return pool.reserve_request(
+            initial, caller=self.caller, retry_after=self.config.retry_after, declared=declared is not None
+        )
 
     def explain(self, exc: Exception) -> Exception:
         """`exc`, or — for a `budget.PoolExhausted` that the caller's share refused (the

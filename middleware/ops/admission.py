@@ -227,6 +227,54 @@ class ProcessPool:
         self._publish()
         return RequestReservation(self, nbytes, caller)
 
+    def reserve_request(
+        self, initial: int, *, caller: str, retry_after: float, declared: bool = True
+    ) -> RequestReservation:
+        """Admission control of a new request of ``caller`` that reserves ``initial`` budget bytes
+        (before its body is read; DESIGN.md §3): the reservation, else the refusal — raises
+        `ProcessBudgetExceeded` (413: more than the whole pool) or `CallerShareTooLarge` (413:
+        more than one caller's whole share), which no retry can help, then `Overloaded` (503: no
+        room in the pool now, or the request cap or memory pressure) or `CallerShareFull` (503:
+        the caller's share is full now), whose messages name ``retry_after`` (seconds).
+        ``declared``: the body has a ``Content-Length`` (else the messages say to send one: a body
+        without one reserves ``max_retained_bytes``). The create intake and the store routes'
+        reads both admit through here."""
+        from middleware.errors import CallerShareFull, CallerShareTooLarge, Overloaded, ProcessBudgetExceeded
+
+        hint = "" if declared else "send a Content-Length (a body without one reserves max_retained_bytes), "
+        if initial > self.budget:
+            raise ProcessBudgetExceeded(
+                f"this request would reserve {initial:,} budget bytes, more than this worker's whole pool of "
+                f"{self.budget:,} (--max-inflight-retained-bytes); {hint}lower loopwarden-max-retained-bytes "
+                "or send less",
+                requested=initial,
+                limit=self.budget,
+            )
+        if initial > self.caller_cap:
+            raise CallerShareTooLarge(
+                f"this request would reserve {initial:,} budget bytes, more than one caller's whole share of "
+                f"this worker's pool: {self.caller_cap:,} (--max-inflight-share-per-caller={self.share:g} of "
+                f"--max-inflight-retained-bytes={self.budget}); {hint}lower loopwarden-max-retained-bytes or "
+                "send less, or ask the operator to raise the share",
+                requested=initial,
+                limit=self.caller_cap,
+            )
+        reason = self.refusal(initial)
+        if reason is not None:
+            raise Overloaded(
+                f"the gateway is overloaded: {reason}; retry after {retry_after:g} s", requested=initial
+            )
+        reason = self.share_refusal(initial, caller=caller)
+        if reason is not None:
+            raise CallerShareFull(
+                f"the gateway refuses this caller for now: {reason}; retry after {retry_after:g} s, once "
+                "fewer of its requests are in flight",
+                requested=initial,
+                held=self.held(caller),
+                share=self.caller_cap,
+            )
+        return self.admit(initial, caller=caller)
+
     def connection_share(self, *, caller: str) -> RequestReservation:
         """A reservation of nothing for a WebSocket connection's own ledger (its connection-local
         memory, `middleware.loop.memory`): its charges draw from the pool and count against

@@ -66,8 +66,6 @@ from starlette.types import Receive, Scope, Send
 from budget import BudgetExceeded, ChargeModel, JsonFeatures, Ledger, Limits, PoolExhausted
 from middleware.asgi.intake import effective_limits
 from middleware.errors import (
-    CallerShareFull,
-    CallerShareTooLarge,
     Overloaded,
     ProcessBudgetExceeded,
     ShuttingDown,
@@ -252,39 +250,9 @@ class StoreRead:
             raise ShuttingDown("the gateway is shutting down; retry on another instance", refused=True)
         limit = self.max_retained_bytes
         initial = limit if declared is None else min(limit, declared * model.reserve_per_byte())
-        hint = (
-            "send a Content-Length (a body without one reserves max_retained_bytes), "
-            if declared is None
-            else ""
+        self.reservation = pool.reserve_request(
+            initial, caller=self.caller, retry_after=self.reads.retry_after, declared=declared is not None
         )
-        if initial > pool.budget:
-            raise ProcessBudgetExceeded(
-                f"this request would reserve {initial:,} budget bytes, more than this worker's whole pool of "
-                f"{pool.budget:,} (--max-inflight-retained-bytes); {hint}lower loopwarden-max-retained-bytes "
-                "or send less",
-                requested=initial,
-                limit=pool.budget,
-            )
-        if initial > pool.caller_cap:
-            raise CallerShareTooLarge(
-                f"this request would reserve {initial:,} budget bytes, more than one caller's whole share of "
-                f"this worker's pool ({pool.caller_cap:,}, --max-inflight-share-per-caller); {hint}lower "
-                "loopwarden-max-retained-bytes or send less",
-                requested=initial,
-                limit=pool.caller_cap,
-            )
-        reason = pool.refusal(initial)
-        if reason is not None:
-            raise self._overloaded(reason, initial)
-        reason = pool.share_refusal(initial, caller=self.caller)
-        if reason is not None:
-            raise CallerShareFull(
-                f"the gateway refuses this caller for now: {reason}; retry after {self.reads.retry_after:g} s",
-                requested=initial,
-                held=pool.held(self.caller),
-                share=pool.caller_cap,
-            )
-        self.reservation = pool.admit(initial, caller=self.caller)
         self.ledger = ledger = Ledger(limit, model, store=True, pool=self.reservation)
         return ledger
 
