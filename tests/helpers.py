@@ -75,6 +75,15 @@ def gateway(
         yield url, app
 
 
+def shielded_gateway(
+    upstream: MockUpstream | None, **overrides: Any
+) -> contextlib.AbstractContextManager[tuple[str, CountingApp]]:
+    """`gateway` with the retry shield at its default, 30 s (the helpers run it off), unless the
+    test sets ``retry_shield_seconds``."""
+    overrides.setdefault("retry_shield_seconds", 30.0)
+    return gateway(upstream, **overrides)
+
+
 def sdk(url: str, **kw: Any) -> OpenAI:
     kw.setdefault("max_retries", 0)
     return OpenAI(base_url=url + "/v1", api_key="client-key", **kw)

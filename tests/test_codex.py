@@ -14,7 +14,6 @@ test-clients`` sets it), so ``make test`` neither needs npm nor waits for Codex'
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -24,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import DONE, PRE, B, CountingApp, MetricDelta, message_item
-from tests.helpers import gateway as base_gateway
+from tests.helpers import DONE, PRE, B, MetricDelta, message_item
+from tests.helpers import shielded_gateway as gateway
 from tests.mock_upstream import E, MockUpstream, Reply
 
 pytestmark = [
@@ -37,15 +36,6 @@ pytestmark = [
 ]
 CODEX = shutil.which("codex")
 STREAM_RETRIES = 5  # Codex's default stream_max_retries, set explicitly
-
-
-def gateway(
-    upstream: MockUpstream, **overrides: Any
-) -> contextlib.AbstractContextManager[tuple[str, CountingApp]]:
-    """The test gateway (`tests.helpers.gateway`) with the retry shield at its default, 30 s,
-    unless the test sets ``retry_shield_seconds``."""
-    overrides.setdefault("retry_shield_seconds", 30.0)
-    return base_gateway(upstream, **overrides)
 
 
 @pytest.fixture

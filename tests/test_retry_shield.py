@@ -10,13 +10,11 @@ upstream sees one call.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -37,28 +35,18 @@ from tests.helpers import (
     FC,
     PRE,
     B,
-    CountingApp,
     MetricDelta,
     message_item,
     response_obj,
     sse_events,
     text_delta,
 )
-from tests.helpers import gateway as base_gateway
+from tests.helpers import shielded_gateway as gateway
 from tests.mcp_servers import Probe, build_tools_server, serve_mcp
 from tests.mock_upstream import MockUpstream, Reply
 
 HIT = "loopwarden-retry-shield"
 TOOLS = [{"type": "mcp", "server_label": "tools", "require_approval": "never"}]
-
-
-def gateway(
-    upstream: MockUpstream, **overrides: Any
-) -> contextlib.AbstractContextManager[tuple[str, CountingApp]]:
-    """The test gateway (`tests.helpers.gateway`) with the retry shield at its default, 30 s,
-    unless the test sets ``retry_shield_seconds``."""
-    overrides.setdefault("retry_shield_seconds", 30.0)
-    return base_gateway(upstream, **overrides)
 
 
 @pytest.fixture
