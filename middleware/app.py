@@ -22,7 +22,7 @@ import dataclasses
 import gc
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -116,6 +116,10 @@ CHAT_COMPLETIONS_MESSAGE = (
 )
 
 
+#: The Chat Completions paths a misconfigured client may call.
+CHAT_COMPLETIONS_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
 async def chat_completions_not_served(request: Request) -> Response:
     """``/v1/chat/completions`` and ``/v1/completions``: 404 ``unknown_url`` for every method, whose
     message says that the gateway serves the Responses API and how to point a client at it."""
@@ -188,102 +192,19 @@ def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
     )
 
 
-def create_app(
-    settings: Settings,
-    *,
-    upstream_factory: Callable[[Settings, str], UpstreamClient] = default_upstream,
-    pressure_source: Callable[[], float] = memory_pressure,
-) -> Starlette:
-    """Build the gateway app for `settings`.
-
-    `upstream_factory(settings, base_url)` makes the upstream client (default `default_upstream`);
-    `pressure_source()` reports used/allowed memory for the admission safety net.
-    """
-    state = GatewayState(settings=settings)
-    compact_key = settings.compact_key()
-    state.seal = CompactionSeal(compact_key)
-    keys = settings.api_keys()
-    authenticator = Authenticator(keys)
-    secrets = (settings.upstream_api_key, *keys, *(r.upstream_api_key for r in settings.model_routes))
-    for secret in (*secrets, compact_key.decode() if compact_key else None):
+def register_secrets(settings: Settings, keys: list[str], compact_key: bytes | None) -> None:
+    """Register every configured secret (the upstream keys, per route too, the gateway API `keys`
+    and the compaction key) with `middleware.ops.redact`, so that no log line or error message
+    carries one."""
+    routed = (r.upstream_api_key for r in settings.model_routes)
+    for secret in (settings.upstream_api_key, *keys, *routed, compact_key.decode() if compact_key else None):
         register_secret(secret)
-    router = ModelRouter(settings.model_routes)
 
-    async def list_models(request: Request) -> Response:
-        """``GET /v1/models``: the configured models, else the default upstream's own list."""
-        authenticator.owner(request.scope)
-        if router.configured:
-            data = [
-                {"id": r.name, "object": "model", "created": 0, "owned_by": "loopwarden"}
-                for r in router.routes
-            ]
-            return JSONResponse({"object": "list", "data": data})
-        assert state.upstream is not None
-        return await passthrough_models(state.upstream)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        devmodel: BackgroundServer | None = None
-        base_url = settings.upstream
-        model = ChargeModel.named(settings.charge_model)
-        limit = settings.max_retained_bytes
-        log.info(
-            "charge model %s: raw body clamp %d bytes, buffered upstream clamp %d bytes "
-            "(max_retained_bytes=%d)",
-            model.name,
-            model.body_clamp(limit),
-            model.upstream_clamp(limit),
-            limit,
-        )
-        if base_url is None:
-            from middleware.dev.devmodel import create_devmodel_app
-            from middleware.ops.request_id import DEVMODEL_THREAD
-
-            # its uvicorn logs from this thread: `DevModelFilter` keeps its lifecycle and access
-            # lines out of the gateway's log (the warning below says it is there, once)
-            devmodel = BackgroundServer(create_devmodel_app(), thread_name=DEVMODEL_THREAD)
-            base_url = (await asyncio.to_thread(devmodel.start)) + "/v1"
-            log.warning(
-                "no --upstream given: serving the embedded development model at %s "
-                "(a scripted stand-in, not a real model; pass --upstream URL for vLLM, SGLang or OpenAI)",
-                base_url,
-            )
-        state.upstream = upstream_factory(settings, base_url)
-        state.upstream_urls[""] = base_url
-        for route in settings.model_routes:
-            state.upstream_urls[route.name] = route.upstream or base_url
-            overrides = {
-                field: getattr(route, field)
-                for field in (
-                    "upstream_api_key",
-                    "upstream_connect_timeout",
-                    "upstream_read_timeout",
-                    "upstream_deadline",
-                )
-                if getattr(route, field) is not None
-            }
-            if route.upstream is not None or overrides:
-                routed = dataclasses.replace(settings, **overrides)
-                state.upstreams[route.name] = upstream_factory(routed, route.upstream or base_url)
-        state.catalog = build_catalog(settings, demo=devmodel is not None)
-        state.store = open_store(settings.store)
-        await state.store.open()
-        metrics.publish_resident_memory(baseline=True)  # before any request: the gateway's own RSS
-        freeze_startup_objects()
-        await background.start()
-        try:
-            yield
-        finally:
-            await background.close()  # drains the background tasks while the store is open
-            await state.catalog.aclose()  # pooled MCP sessions end (HTTP DELETE, stdio process exits)
-            await state.store.close()
-            await state.upstream.aclose()
-            for client in state.upstreams.values():
-                await client.aclose()
-            if devmodel is not None:
-                await asyncio.to_thread(devmodel.stop)
-            metrics.worker_exited()
-
+def build_pool(settings: Settings, pressure_source: Callable[[], float]) -> ProcessPool:
+    """The worker's admission `ProcessPool` (budget bytes: ``max_inflight_retained_bytes``, else
+    `default_pool_bytes`); logs a warning when one caller's share is under ``max_retained_bytes``,
+    so that a request without Content-Length would always be refused (413)."""
     pool = ProcessPool(
         settings.max_inflight_retained_bytes or default_pool_bytes(settings.workers),
         max_requests=settings.max_concurrent_requests,
@@ -291,7 +212,6 @@ def create_app(
         pressure=pressure_source,
         pressure_threshold=settings.memory_pressure_threshold,
     )
-    state.pool = pool
     if pool.caller_cap < settings.max_retained_bytes <= pool.budget:
         log.warning(
             "one caller's share of the pool (%d budget bytes: --max-inflight-share-per-caller=%g of %d) is "
@@ -302,16 +222,139 @@ def create_app(
             pool.budget,
             settings.max_retained_bytes,
         )
+    return pool
 
-    def guarded(app: Any, **body: Any) -> BudgetMiddleware:
-        """`app` behind the guard: the clamps, ledger, admission and outcome table of create."""
+
+def log_charge_model(settings: Settings) -> None:
+    """Log the charge model and the two clamps it gives ``max_retained_bytes`` (bytes)."""
+    model = ChargeModel.named(settings.charge_model)
+    limit = settings.max_retained_bytes
+    log.info(
+        "charge model %s: raw body clamp %d bytes, buffered upstream clamp %d bytes (max_retained_bytes=%d)",
+        model.name,
+        model.body_clamp(limit),
+        model.upstream_clamp(limit),
+        limit,
+    )
+
+
+async def start_devmodel() -> tuple[BackgroundServer, str]:
+    """Start the embedded development model on a loopback port; returns it and its base URL
+    (``http://127.0.0.1:PORT/v1``). Logs a warning that it is a scripted stand-in."""
+    from middleware.dev.devmodel import create_devmodel_app
+    from middleware.ops.request_id import DEVMODEL_THREAD
+
+    # its uvicorn logs from this thread: `DevModelFilter` keeps its lifecycle and access lines out
+    # of the gateway's log (the warning below says it is there, once)
+    devmodel = BackgroundServer(create_devmodel_app(), thread_name=DEVMODEL_THREAD)
+    base_url = (await asyncio.to_thread(devmodel.start)) + "/v1"
+    log.warning(
+        "no --upstream given: serving the embedded development model at %s "
+        "(a scripted stand-in, not a real model; pass --upstream URL for vLLM, SGLang or OpenAI)",
+        base_url,
+    )
+    return devmodel, base_url
+
+
+#: The upstream settings a model route may override (None: the server-wide value).
+ROUTE_UPSTREAM_FIELDS = (
+    "upstream_api_key",
+    "upstream_connect_timeout",
+    "upstream_read_timeout",
+    "upstream_deadline",
+)
+
+
+def open_upstreams(
+    state: GatewayState, base_url: str, factory: Callable[[Settings, str], UpstreamClient]
+) -> None:
+    """Create the default upstream client at `base_url` and one per model route that has its own
+    URL or overrides one of `ROUTE_UPSTREAM_FIELDS`; record every route's base URL."""
+    settings = state.settings
+    state.upstream = factory(settings, base_url)
+    state.upstream_urls[""] = base_url
+    for route in settings.model_routes:
+        state.upstream_urls[route.name] = route.upstream or base_url
+        overrides = {
+            field: getattr(route, field)
+            for field in ROUTE_UPSTREAM_FIELDS
+            if getattr(route, field) is not None
+        }
+        if route.upstream is not None or overrides:
+            routed = dataclasses.replace(settings, **overrides)
+            state.upstreams[route.name] = factory(routed, route.upstream or base_url)
+
+
+async def close_process_objects(state: GatewayState, devmodel: BackgroundServer | None) -> None:
+    """Close what the lifespan opened, in order: pooled MCP sessions (HTTP DELETE, stdio process
+    exits), the store, the upstream clients, the embedded model; then mark the worker exited."""
+    assert state.catalog is not None and state.store is not None and state.upstream is not None
+    await state.catalog.aclose()
+    await state.store.close()
+    await state.upstream.aclose()
+    for client in state.upstreams.values():
+        await client.aclose()
+    if devmodel is not None:
+        await asyncio.to_thread(devmodel.stop)
+    metrics.worker_exited()
+
+
+def gateway_lifespan(
+    state: GatewayState,
+    background: BackgroundTasks,
+    upstream_factory: Callable[[Settings, str], UpstreamClient],
+) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: starts the upstream clients (the embedded model without
+    ``settings.upstream``), the tool catalog, the store and the background tasks; on shutdown it
+    drains the background tasks while the store is still open, then closes the rest."""
+    settings = state.settings
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        devmodel: BackgroundServer | None = None
+        log_charge_model(settings)
+        base_url = settings.upstream
+        if base_url is None:
+            devmodel, base_url = await start_devmodel()
+        open_upstreams(state, base_url, upstream_factory)
+        state.catalog = build_catalog(settings, demo=devmodel is not None)
+        state.store = open_store(settings.store)
+        await state.store.open()
+        metrics.publish_resident_memory(baseline=True)  # before any request: the gateway's own RSS
+        freeze_startup_objects()
+        await background.start()
+        try:
+            yield
+        finally:
+            await background.close()  # drains the background tasks while the store is open
+            await close_process_objects(state, devmodel)
+
+    return lifespan
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayParts:
+    """The process objects every request route shares: the settings, the API-key `authenticator`,
+    the model `router`, the admission `pool` and the `state`; builds the guarded apps and the
+    store reads from them."""
+
+    settings: Settings
+    authenticator: Authenticator
+    router: ModelRouter
+    pool: ProcessPool
+    state: GatewayState
+
+    def guarded(self, app: Any, **body: Any) -> BudgetMiddleware:
+        """`app` behind the guard: the clamps, ledger, admission and outcome table of create;
+        `body` are further `BudgetMiddleware` keywords (background, shield, validate, create)."""
+        settings = self.settings
         return BudgetMiddleware(
             app,
             limits=settings.limits,
             client_body_timeout=settings.client_body_timeout,
-            authenticator=authenticator,
-            router=router,
-            pool=pool,
+            authenticator=self.authenticator,
+            router=self.router,
+            pool=self.pool,
             request_deadline=settings.request_deadline,
             retry_after=settings.retry_after,
             keepalive_interval=settings.keepalive_interval,
@@ -320,88 +363,136 @@ def create_app(
             **body,
         )
 
-    inner = ResponsesApp(state)
-
-    def get_store() -> Store:
-        assert state.store is not None, "the lifespan opens the store"
-        return state.store
-
-    background = BackgroundTasks(inner, get_store, settings)
-    responses = guarded(
-        inner,
-        background=background,
-        shield=RetryShield(
-            seconds=settings.retry_shield_seconds,
-            max_entries=settings.retry_shield_max_entries,
-            max_bytes=settings.retry_shield_max_bytes,
-            pool=pool,
-        ),
-    )
-    compact = guarded(CompactApp(state), validate=validate_compact_request, create=False)  # issue 24
-
-    websocket = WebSocketResponses(
-        responses,
-        WebSocketConfig(
+    def websocket(self, responses: BudgetMiddleware) -> WebSocketResponses:
+        """WebSocket mode (`middleware.asgi.websocket`): each turn through the create guard `responses`."""
+        settings = self.settings
+        config = WebSocketConfig(
             limits=settings.limits,
-            authenticator=authenticator,
-            pool=pool,
+            authenticator=self.authenticator,
+            pool=self.pool,
             charge_model=ChargeModel.named(settings.charge_model),
             max_lifetime=settings.websocket_max_lifetime,
             idle_timeout=settings.websocket_idle_timeout,
             write_timeout=settings.client_write_timeout,
             keepalive_interval=settings.keepalive_interval,
             retry_after=settings.retry_after,
-        ),
-    )
+        )
+        return WebSocketResponses(responses, config)
+
+    def store_reads(self) -> StoreReads:
+        """The admission ladder of the store routes' reads (`middleware.store.reads`)."""
+        settings = self.settings
+        return StoreReads(
+            limits=settings.limits,
+            pool=self.pool,
+            retry_after=settings.retry_after,
+            model=ChargeModel.named(settings.charge_model),
+            caller_of=self.authenticator.caller,
+            client_body_timeout=settings.client_body_timeout,
+        )
+
+    def get_store(self) -> Store:
+        """The open store (the lifespan opens it before the first request)."""
+        assert self.state.store is not None, "the lifespan opens the store"
+        return self.state.store
+
+    def owner_of(self, request: Request) -> str:
+        """The store owner of `request` (its API key's owner); raises the 401 `Failure`."""
+        return self.authenticator.owner(request.scope)
+
+
+def models_endpoint(parts: GatewayParts) -> Callable[[Request], Awaitable[Response]]:
+    """``GET /v1/models``: the configured model routes, else the default upstream's own list."""
+
+    async def list_models(request: Request) -> Response:
+        parts.authenticator.owner(request.scope)
+        if parts.router.configured:
+            data = [
+                {"id": r.name, "object": "model", "created": 0, "owned_by": "loopwarden"}
+                for r in parts.router.routes
+            ]
+            return JSONResponse({"object": "list", "data": data})
+        assert parts.state.upstream is not None
+        return await passthrough_models(parts.state.upstream)
+
+    return list_models
+
+
+def readyz_endpoint(pool: ProcessPool) -> Callable[[Request], Awaitable[Response]]:
+    """``GET /readyz``: 503 while draining or saturated (pool, concurrency or memory pressure)."""
 
     async def readyz(request: Request) -> Response:
-        """Readiness: 503 while draining or saturated (pool, concurrency or memory pressure)."""
         if DRAIN.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if pool.saturated:
             return JSONResponse({"status": "saturated"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    def owner_of(request: Request) -> str:
-        return authenticator.owner(request.scope)
+    return readyz
 
-    routes: list[Any] = [
+
+def build_routes(parts: GatewayParts, background: BackgroundTasks) -> list[Any]:
+    """Every route of the gateway: create (HTTP and WebSocket), compact, the Chat Completions
+    refusals, the store routes, health, readiness, models and metrics."""
+    settings = parts.settings
+    shield = RetryShield(
+        seconds=settings.retry_shield_seconds,
+        max_entries=settings.retry_shield_max_entries,
+        max_bytes=settings.retry_shield_max_bytes,
+        pool=parts.pool,
+    )
+    responses = parts.guarded(background.app, background=background, shield=shield)
+    compact = parts.guarded(
+        CompactApp(parts.state), validate=validate_compact_request, create=False
+    )  # issue 24
+    any_method = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    return [
         Route("/v1/responses", responses, methods=["POST"]),
-        WebSocketRoute("/v1/responses", websocket),  # WebSocket mode (middleware.asgi.websocket)
+        WebSocketRoute("/v1/responses", parts.websocket(responses)),  # WebSocket mode
         Route("/v1/responses/compact", compact, methods=["POST"]),
-        *(
-            Route(path, chat_completions_not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
-            for path in ("/v1/chat/completions", "/v1/completions")
-        ),
-        *store_routes(
-            get_store,
-            owner_of,
-            reads=StoreReads(
-                limits=settings.limits,
-                pool=pool,
-                retry_after=settings.retry_after,
-                model=ChargeModel.named(settings.charge_model),
-                caller_of=authenticator.caller,
-                client_body_timeout=settings.client_body_timeout,
-            ),
-            background=background,
-        ),
+        *(Route(path, chat_completions_not_served, methods=any_method) for path in CHAT_COMPLETIONS_PATHS),
+        *store_routes(parts.get_store, parts.owner_of, reads=parts.store_reads(), background=background),
         Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
-        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/readyz", readyz_endpoint(parts.pool), methods=["GET"]),
+        Route("/v1/models", models_endpoint(parts), methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/metrics/", metrics_endpoint, methods=["GET"]),
     ]
-    handlers: dict[Any, Any] = {
-        Failure: failure_handler,
-        Exception: failure_handler,  # a defect: 500 internal_error (Starlette logs and re-raises it)
-        404: route_error_response,
-        405: route_error_response,
-    }
+
+
+#: Starlette exception handlers: every failure of a plain route through `middleware.outcomes`.
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    Failure: failure_handler,
+    Exception: failure_handler,  # a defect: 500 internal_error (Starlette logs and re-raises it)
+    404: route_error_response,
+    405: route_error_response,
+}
+
+
+def create_app(
+    settings: Settings,
+    *,
+    upstream_factory: Callable[[Settings, str], UpstreamClient] = default_upstream,
+    pressure_source: Callable[[], float] = memory_pressure,
+) -> Starlette:
+    """Build the gateway app for `settings`.
+
+    `upstream_factory(settings, base_url)` makes the upstream client (default `default_upstream`);
+    `pressure_source()` reports used/allowed memory for the admission safety net. Raises
+    `SettingsError` when a key file cannot be read.
+    """
+    state = GatewayState(settings=settings)
+    compact_key = settings.compact_key()
+    state.seal = CompactionSeal(compact_key)
+    keys = settings.api_keys()
+    register_secrets(settings, keys, compact_key)
+    state.pool = build_pool(settings, pressure_source)
+    parts = GatewayParts(settings, Authenticator(keys), ModelRouter(settings.model_routes), state.pool, state)
+    background = BackgroundTasks(ResponsesApp(state), parts.get_store, settings)
     return Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers=handlers,
+        routes=build_routes(parts, background),
+        lifespan=gateway_lifespan(state, background, upstream_factory),
+        exception_handlers=dict(EXCEPTION_HANDLERS),
         middleware=[Middleware(RequestIdMiddleware)],
     )
 
