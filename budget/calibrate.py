@@ -18,11 +18,13 @@ margin (``--margin``, default 1.25) built as documented in `derive_model`, ready
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import gc
 import json
 import math
 import platform
+import random
 import sys
 import tracemalloc
 from collections.abc import Callable
@@ -73,29 +75,13 @@ def _nested(size: int, depth: int = 128) -> bytes:
     return _array(lambda i: one, size)
 
 
-def responses_body(size: int, seed: int = 7) -> bytes:
-    """A Responses-API-shaped response object of about ``size`` bytes: messages with UTF-8 text,
-    function calls with JSON-in-JSON arguments, reasoning items with base64, tool outputs with
-    floats, and the echoed tool definitions. Deterministic for a given seed."""
-    import base64
-    import random
+#: The words of the calibration messages: ASCII, accented Latin and an astral emoji.
+_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "météo", "Paris", "😀", "données"]
 
-    rnd = random.Random(seed)
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "lazy",
-        "dog",
-        "météo",
-        "Paris",
-        "😀",
-        "données",
-    ]
-    tools = [
+
+def _echoed_tools(count: int = 20) -> list[dict[str, object]]:
+    """The ``count`` strict function tool definitions a response object echoes."""
+    return [
         {
             "type": "function",
             "name": f"tool_{i}",
@@ -111,55 +97,70 @@ def responses_body(size: int, seed: int = 7) -> bytes:
             },
             "strict": True,
         }
-        for i in range(20)
+        for i in range(count)
     ]
+
+
+def _message_item(i: int, rnd: random.Random) -> dict[str, object]:
+    """Output item ``i``: an assistant message of 10-300 words of UTF-8 text."""
+    text = " ".join(rnd.choice(_WORDS) for _ in range(rnd.randint(10, 300)))
+    return {
+        "type": "message",
+        "id": f"msg_{i:08x}",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def _function_call_item(i: int, rnd: random.Random) -> dict[str, object]:
+    """Output item ``i``: a function call whose arguments are JSON in JSON (escapes, floats, nulls)."""
+    args = {
+        "city": "Paris",
+        "days": rnd.randint(1, 14),
+        "filters": {"tags": ["a", "b"], "score": rnd.random(), "path": "C:\\tmp\\x"},
+        "rows": [{"x": j, "y": [j, j * 0.5, None, True]} for j in range(rnd.randint(1, 6))],
+    }
+    return {
+        "type": "function_call",
+        "id": f"fc_{i:08x}",
+        "call_id": f"call_{i:08x}",
+        "name": "get_weather",
+        "arguments": json.dumps(args),
+        "status": "completed",
+    }
+
+
+def _reasoning_item(i: int, rnd: random.Random) -> dict[str, object]:
+    """Output item ``i``: a reasoning item with 100-2000 random bytes of base64 ``encrypted_content``."""
+    return {
+        "type": "reasoning",
+        "id": f"rs_{i:08x}",
+        "summary": [{"type": "summary_text", "text": "Thinking."}],
+        "encrypted_content": base64.b64encode(rnd.randbytes(rnd.randint(100, 2000))).decode(),
+    }
+
+
+def _tool_output_item(i: int, rnd: random.Random) -> dict[str, object]:
+    """Output item ``i``: the output of the call two items back, 12 floats and escapes as JSON text."""
+    result = {"temperature": [round(rnd.uniform(-10, 30), 3) for _ in range(12)], "note": 'a "b" \\ c'}
+    return {"type": "function_call_output", "call_id": f"call_{i - 2:08x}", "output": json.dumps(result)}
+
+
+#: The four output item kinds, in the order item ``i`` cycles through them (``i % 4``).
+_ITEM_KINDS = (_message_item, _function_call_item, _reasoning_item, _tool_output_item)
+
+
+def responses_body(size: int, seed: int = 7) -> bytes:
+    """A Responses-API-shaped response object of about ``size`` bytes: messages with UTF-8 text,
+    function calls with JSON-in-JSON arguments, reasoning items with base64, tool outputs with
+    floats, and the echoed tool definitions. Deterministic for a given seed."""
+    rnd = random.Random(seed)
     output: list[object] = []
     total = 0
     i = 0
     while total < size:
-        kind = i % 4
-        item: dict[str, object]
-        if kind == 0:
-            text = " ".join(rnd.choice(words) for _ in range(rnd.randint(10, 300)))
-            item = {
-                "type": "message",
-                "id": f"msg_{i:08x}",
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
-            }
-        elif kind == 1:
-            args = {
-                "city": "Paris",
-                "days": rnd.randint(1, 14),
-                "filters": {"tags": ["a", "b"], "score": rnd.random(), "path": "C:\\tmp\\x"},
-                "rows": [{"x": j, "y": [j, j * 0.5, None, True]} for j in range(rnd.randint(1, 6))],
-            }
-            item = {
-                "type": "function_call",
-                "id": f"fc_{i:08x}",
-                "call_id": f"call_{i:08x}",
-                "name": "get_weather",
-                "arguments": json.dumps(args),
-                "status": "completed",
-            }
-        elif kind == 2:
-            item = {
-                "type": "reasoning",
-                "id": f"rs_{i:08x}",
-                "summary": [{"type": "summary_text", "text": "Thinking."}],
-                "encrypted_content": base64.b64encode(rnd.randbytes(rnd.randint(100, 2000))).decode(),
-            }
-        else:
-            result = {
-                "temperature": [round(rnd.uniform(-10, 30), 3) for _ in range(12)],
-                "note": 'a "b" \\ c',
-            }
-            item = {
-                "type": "function_call_output",
-                "call_id": f"call_{i - 2:08x}",
-                "output": json.dumps(result),
-            }
+        item = _ITEM_KINDS[i % 4](i, rnd)
         output.append(item)
         total += len(json.dumps(item, ensure_ascii=False).encode())
         i += 1
@@ -171,7 +172,7 @@ def responses_body(size: int, seed: int = 7) -> bytes:
         "model": "gpt-4o",
         "instructions": "You are a helpful assistant.",
         "output": output,
-        "tools": tools,
+        "tools": _echoed_tools(),
         "parallel_tool_calls": True,
         "usage": {"input_tokens": 123, "output_tokens": 456, "total_tokens": 579},
         "metadata": {},

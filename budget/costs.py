@@ -131,40 +131,44 @@ def create_body(*, tools: int = 0, image_bytes: int = 0, previous: bool = False)
     return body
 
 
-def codex_body() -> dict[str, object]:
-    """A Codex-CLI-style create request of about 40 KB: long instructions, 9 function tools with
-    full JSON schemas, a conversation with a reasoning item carrying ``encrypted_content`` and
-    shell calls with their outputs (deterministic)."""
-    tools = [
-        {
-            "type": "function",
-            "name": name,
-            "description": f"{name}: runs in the sandbox and returns its output. " * 6,
-            "strict": False,
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "command": {"type": "array", "items": {"type": "string"}, "description": "argv"},
-                    "workdir": {"type": "string", "description": "working directory"},
-                    "timeout_ms": {"type": "number", "description": "timeout in milliseconds"},
-                    "justification": {"type": "string", "description": "why it needs approval"},
-                },
-                "required": ["command"],
-                "additionalProperties": False,
+#: The function tools a Codex CLI session declares.
+CODEX_TOOL_NAMES = (
+    "shell",
+    "apply_patch",
+    "update_plan",
+    "view_image",
+    "read_file",
+    "list_dir",
+    "grep_files",
+    "web_search",
+    "request_user_input",
+)
+
+
+def codex_tool(name: str) -> dict[str, object]:
+    """One Codex-style function tool: a ~330-character description and a 4-property JSON schema."""
+    return {
+        "type": "function",
+        "name": name,
+        "description": f"{name}: runs in the sandbox and returns its output. " * 6,
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "array", "items": {"type": "string"}, "description": "argv"},
+                "workdir": {"type": "string", "description": "working directory"},
+                "timeout_ms": {"type": "number", "description": "timeout in milliseconds"},
+                "justification": {"type": "string", "description": "why it needs approval"},
             },
-        }
-        for name in (
-            "shell",
-            "apply_patch",
-            "update_plan",
-            "view_image",
-            "read_file",
-            "list_dir",
-            "grep_files",
-            "web_search",
-            "request_user_input",
-        )
-    ]
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    }
+
+
+def codex_conversation(calls: int = 6) -> list[object]:
+    """A Codex conversation: the user's task, a reasoning item with 12,000 characters of
+    ``encrypted_content``, then ``calls`` shell calls, each with a 720-character output."""
     blob = "".join(f"{i:08x}" for i in range(1500))  # 12,000 base64-like characters
     conversation: list[object] = [
         {
@@ -174,7 +178,7 @@ def codex_body() -> dict[str, object]:
         },
         {"type": "reasoning", "summary": [], "encrypted_content": blob},
     ]
-    for i in range(6):
+    for i in range(calls):
         conversation.append(
             {
                 "type": "function_call",
@@ -186,11 +190,18 @@ def codex_body() -> dict[str, object]:
         conversation.append(
             {"type": "function_call_output", "call_id": f"call_{i:04d}", "output": "....F.. 1 failed\n" * 40}
         )
+    return conversation
+
+
+def codex_body() -> dict[str, object]:
+    """A Codex-CLI-style create request of about 40 KB: long instructions, 9 function tools with
+    full JSON schemas, a conversation with a reasoning item carrying ``encrypted_content`` and
+    shell calls with their outputs (deterministic)."""
     return {
         "model": "gpt-5-codex",
         "instructions": "You are Codex, a coding agent running in a sandbox. " * 280,
-        "input": conversation,
-        "tools": tools,
+        "input": codex_conversation(),
+        "tools": [codex_tool(name) for name in CODEX_TOOL_NAMES],
         "tool_choice": "auto",
         "parallel_tool_calls": False,
         "reasoning": {"effort": "medium", "summary": "auto"},

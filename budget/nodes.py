@@ -207,51 +207,28 @@ class JsonNodeCounter:
             self._piece(pending)
 
     def _piece(self, x: bytes) -> None:
+        """Count one piece (1..64 KiB, non-empty), continuing the lexical state of the previous
+        one: the carried escape and open string first, then the strings, then what lies outside
+        them (structure, literals, numbers, depth). The common path (no state carried from the
+        previous piece) calls no helper: this runs once per fed chunk."""
         tally = self._tally
         if tally is not None:
             tally.raw(x)
-        if self._bs:  # the previous chunk ended with an unpaired backslash: it escapes x[0]
-            self._bs = False
-            self._num = False
-            if x[0] == _BACKSLASH or x[0] == _QUOTE:
-                x = b"_" + x[1:]
-        if x[-1] == _BACKSLASH:
-            run = len(x) - len(x.rstrip(b"\\"))
-            if run & 1:  # an unpaired backslash at the end escapes the next chunk's first byte
-                self._bs = True
-                x = x[:-1]
-                if not x:
-                    return
-        if self._in_string:
-            m = _CONTINUE_RE.match(x)
-            if m is None and _LONG in x:
-                x = x.replace(b"\\\\", b"__")
-                m = _CONTINUE_RE.match(x)
-            if m is None:
-                if tally is not None:
-                    tally.open_segment(x)
-                return  # the whole piece is inside the string
-            self._in_string = False
-            self._num = False
-            end = m.end()
-            if tally is not None:
-                tally.open_segment(x[: end - 1])
-                tally.close_open()
-            if end == len(x):
+        if self._bs or x[-1] == _BACKSLASH:
+            x = self._edge_backslashes(x)
+            if not x:
                 return
-            x = x[end:]
+        if self._in_string:
+            x = self._close_string(x, tally)
+            if not x:
+                return
         if b"\\" not in x:  # no escapes: quotes simply alternate, and splitting is cheaper
             parts = x.split(b'"')
             quotes = len(parts) - 1
             nodes = (quotes + 1) >> 1
             out = b" ".join(parts[0::2])
             if tally is not None:
-                strings = parts[1::2]
-                if quotes & 1:
-                    tally.plain_strings(strings[:-1], x.isascii())
-                    tally.open_segment(strings[-1], new=True)
-                else:
-                    tally.plain_strings(strings, x.isascii())
+                self._tally_plain(tally, parts[1::2], quotes & 1, x.isascii())
             if quotes & 1:  # the last string runs to the end of the piece
                 self._in_string = True
         else:
@@ -262,15 +239,13 @@ class JsonNodeCounter:
                 out, nodes = _STRING_RE.subn(b" ", subject)
             if tally is not None:
                 tally.escaped_strings(_STRING_RE.findall(subject))
-            if _QUOTE in out:
-                m = _OPEN_RE.search(out)
-                if m is not None:  # an unterminated string runs to the end of the piece
-                    nodes += 1
-                    if tally is not None:
-                        tally.open_segment(out[m.end() :], new=True)
-                    out = out[: m.start()]
-                    self._in_string = True
-        if out:
+            if _QUOTE in out and (m := _OPEN_RE.search(out)) is not None:
+                nodes += 1  # an unterminated string runs to the end of the piece
+                if tally is not None:
+                    tally.open_segment(out[m.end() :], new=True)
+                out = out[: m.start()]
+                self._in_string = True
+        if out:  # outside strings: containers, literals, numbers (one carried over is not new)
             if tally is not None:
                 tally.outside(out, self._num)
             nodes += out.count(b"{") + out.count(b"[") + out.count(b"t") + out.count(b"f") + out.count(b"n")
@@ -286,6 +261,51 @@ class JsonNodeCounter:
         self.nodes += nodes
         if self._bs:
             self._num = False
+
+    def _edge_backslashes(self, x: bytes) -> bytes:
+        """Apply the backslash the previous piece ended with (it escapes ``x[0]``, which becomes
+        ``_``), and hold back an unpaired backslash at the end of ``x`` for the next piece; returns
+        what is left to count (possibly empty)."""
+        if self._bs:
+            self._bs = False
+            self._num = False
+            if x[0] == _BACKSLASH or x[0] == _QUOTE:
+                x = b"_" + x[1:]
+        if x[-1] == _BACKSLASH:
+            run = len(x) - len(x.rstrip(b"\\"))
+            if run & 1:  # an unpaired backslash at the end escapes the next chunk's first byte
+                self._bs = True
+                x = x[:-1]
+        return x
+
+    def _close_string(self, x: bytes, tally: FeatureTally | None) -> bytes:
+        """Inside a string carried from the previous piece: returns what follows its closing quote
+        (empty when the whole piece is inside the string, or the quote ends the piece)."""
+        m = _CONTINUE_RE.match(x)
+        if m is None and _LONG in x:
+            x = x.replace(b"\\\\", b"__")
+            m = _CONTINUE_RE.match(x)
+        if m is None:
+            if tally is not None:
+                tally.open_segment(x)
+            return b""  # the whole piece is inside the string
+        self._in_string = False
+        self._num = False
+        end = m.end()
+        if tally is not None:
+            tally.open_segment(x[: end - 1])
+            tally.close_open()
+        return x[end:]
+
+    @staticmethod
+    def _tally_plain(tally: FeatureTally, strings: list[bytes], open_last: int, ascii: bool) -> None:
+        """Features of the strings of a piece without backslashes; with ``open_last`` the last
+        one runs past the end of the piece (an open segment)."""
+        if open_last:
+            tally.plain_strings(strings[:-1], ascii)
+            tally.open_segment(strings[-1], new=True)
+        else:
+            tally.plain_strings(strings, ascii)
 
     def _track_depth(self, brackets: bytes, nodes: int) -> None:
         levels = list(itertools.accumulate(array("b", brackets), initial=self.depth))
