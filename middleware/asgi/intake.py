@@ -55,7 +55,7 @@ from budget import (
 )
 from middleware.asgi.auth import Authenticator
 from middleware.asgi.client_stream import ClientStream
-from middleware.asgi.models import ModelRouter
+from middleware.asgi.models import ModelRoute, ModelRouter
 from middleware.asgi.validate import validate_request
 from middleware.asgi.wsturn import turn_of
 from middleware.errors import (
@@ -150,12 +150,10 @@ class Intake:
         self._limits: tuple[int, int] = (0, 0)
 
     async def admit(self, client: ClientStream) -> RequestContext:
-        """Run the checks; the admitted request, its ledger charged with the body."""
-        self.owner = self.config.authenticator.owner(self.scope)
-        self.caller = self.config.authenticator.caller(self.scope, self.owner)
-        # the shield's identity is the store's owner as well as the admission caller: on an open
-        # gateway the caller is the client address, which callers with different keys share
-        self.shield_identity = self.caller if self.caller == self.owner else f"{self.caller} {self.owner}"
+        """Run the checks; the admitted request, its ledger charged with the body.
+
+        Raises the `Failure` of the first check that refuses it (401, 413, 429/503, 408, 400, 404)."""
+        self._identify()
         limits = self.effective_limits()
         permissive = self.config.permissive_model
         clamp = permissive.body_clamp(limits.max_retained_bytes)
@@ -164,22 +162,7 @@ class Intake:
             raise _too_large(declared, clamp, limits, permissive, declared=True)
         self.reservation = self._reserve(limits, declared, permissive)
         counter = JsonNodeCounter(max_depth=DEFAULT_MAX_DEPTH, features=permissive.parse is not None)
-        try:
-            async with asyncio.timeout(self.config.client_body_timeout) as bound:
-                with self.config.drain.bounding(bound) as read:
-                    raw = await self._read_body(clamp, limits, permissive, counter)
-        except TimeoutError:
-            if read.cut:  # the drain timeout passed first (DrainState.bounding)
-                raise ShuttingDown(
-                    "the gateway is shutting down and the drain timeout (--drain-timeout) passed while "
-                    "this request's body was still being received; retry it on another instance",
-                    refused=True,
-                ) from None
-            raise BodyTimeout(
-                f"the request body was not received within {self.config.client_body_timeout:g} s "
-                "(--client-body-timeout); send the whole body promptly",
-                seconds=self.config.client_body_timeout,
-            ) from None
+        raw = await self._receive_body(clamp, limits, permissive, counter)
         self._shield_read(limits)
         # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
         # the store doubles it (the persisted projection) is known only after parsing, so the
@@ -190,27 +173,13 @@ class Intake:
             raise InvalidRequest(str(exc), code="json_too_deep") from None
         nodes = counter.nodes
         ledger = self._admit_body(limits, raw, nodes, features, permissive, store=False)
-        try:
-            request = loads_strict(raw)
-        except JsonInvalid as exc:
-            raise InvalidRequest(
-                exc.message, code=exc.code, param=exc.param or locate_invalid(raw, exc.code)
-            ) from None
-        if not isinstance(request, dict):
-            raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
+        request = self._parse(raw)
         turn = turn_of(self.scope)
         if turn is not None:  # a WebSocket response.create message (middleware.asgi.wsturn)
             request = turn.prepare(request)
         self._shield_parsed(request)
         self.config.validate(request)
-        route = self.config.router.match(request["model"])
-        if route is None and self.config.router.configured:
-            raise ModelNotFound(
-                f"the model {request['model'][:200]!r} does not exist on this gateway; "
-                f"configured models: {', '.join(sorted(self.config.router.labels))[:500]}",
-                param="model",
-            )
-        self.model_label = route.name if route is not None else "other"
+        route = self._route(request)
         store = self.config.create and request.get("store") is not False
         model = self.config.model_for(route.charge_model if route is not None else None)
         if store or model is not permissive:  # re-charge at the route's price, with the store's copies
@@ -232,6 +201,65 @@ class Intake:
             client=client,
             memory=turn.memory if turn is not None else None,
         )
+
+    def _identify(self) -> None:
+        """Set the request's store ``owner`` (401 without a valid key), admission ``caller`` and
+        retry-shield identity."""
+        self.owner = self.config.authenticator.owner(self.scope)
+        self.caller = self.config.authenticator.caller(self.scope, self.owner)
+        # the shield's identity is the store's owner as well as the admission caller: on an open
+        # gateway the caller is the client address, which callers with different keys share
+        self.shield_identity = self.caller if self.caller == self.owner else f"{self.caller} {self.owner}"
+
+    async def _receive_body(
+        self, clamp: int, limits: Limits, model: ChargeModel, counter: JsonNodeCounter
+    ) -> bytes:
+        """The whole body (at most ``clamp`` bytes, counted by ``counter``) within
+        ``client_body_timeout`` seconds; raises `BodyTimeout` (408), or `ShuttingDown` when the
+        drain timeout passes first."""
+        try:
+            async with asyncio.timeout(self.config.client_body_timeout) as bound:
+                with self.config.drain.bounding(bound) as read:
+                    return await self._read_body(clamp, limits, model, counter)
+        except TimeoutError:
+            if read.cut:  # the drain timeout passed first (DrainState.bounding)
+                raise ShuttingDown(
+                    "the gateway is shutting down and the drain timeout (--drain-timeout) passed while "
+                    "this request's body was still being received; retry it on another instance",
+                    refused=True,
+                ) from None
+            raise BodyTimeout(
+                f"the request body was not received within {self.config.client_body_timeout:g} s "
+                "(--client-body-timeout); send the whole body promptly",
+                seconds=self.config.client_body_timeout,
+            ) from None
+
+    @staticmethod
+    def _parse(raw: bytes) -> dict[str, Any]:
+        """The body as a JSON object (`loads_strict`); raises `InvalidRequest` (400) naming where
+        it is invalid, or when it is not an object."""
+        try:
+            request = loads_strict(raw)
+        except JsonInvalid as exc:
+            raise InvalidRequest(
+                exc.message, code=exc.code, param=exc.param or locate_invalid(raw, exc.code)
+            ) from None
+        if not isinstance(request, dict):
+            raise InvalidRequest(f"request body must be a JSON object, got {type(request).__name__}")
+        return request
+
+    def _route(self, request: dict[str, Any]) -> ModelRoute | None:
+        """The model route of ``request["model"]`` (None: the default upstream) and its metric
+        label; raises `ModelNotFound` (404) when routes are configured and none matches."""
+        route = self.config.router.match(request["model"])
+        if route is None and self.config.router.configured:
+            raise ModelNotFound(
+                f"the model {request['model'][:200]!r} does not exist on this gateway; "
+                f"configured models: {', '.join(sorted(self.config.router.labels))[:500]}",
+                param="model",
+            )
+        self.model_label = route.name if route is not None else "other"
+        return route
 
     def effective_limits(self) -> Limits:
         """The server's limits, lowered by the request's ``loopwarden-max-*`` headers."""
