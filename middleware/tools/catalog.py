@@ -183,6 +183,293 @@ def _listed(tool: mcp_types.Tool) -> _ListedTool:
     )
 
 
+def _exposed(
+    declared: Sequence[_Declared], listings: Mapping[str, tuple[_ListedTool, ...]]
+) -> dict[str, list[_ListedTool]]:
+    """Per declared server label, the tools of its listing its ``allowed_tools`` lets through."""
+    return {d.label: [t for t in listings[d.label] if d.allowed.matches(t)] for d in declared}
+
+
+def _function_tool(name: str, tool: _ListedTool) -> dict[str, Any]:
+    """The upstream function tool ``name`` for an MCP tool (its schema copied, non-strict)."""
+    return {
+        "type": "function",
+        "name": name,
+        "description": tool.description or "",
+        "parameters": copy.deepcopy(tool.input_schema),
+        "strict": False,
+    }
+
+
+def _name_functions(
+    declared: Sequence[_Declared], exposed: Mapping[str, list[_ListedTool]], client_names: set[str]
+) -> tuple[dict[str, GatewayTool], dict[str, list[dict[str, Any]]]]:
+    """The function names the upstream sees (module docstring, "Names"): returns the
+    `GatewayTool` behind each name and, per server label, its function tools in listing order.
+    Raises `InvalidRequest` (``duplicate_tool_name``) when two MCP tools become one name."""
+    counts = Counter(t.name for ts in exposed.values() for t in ts)
+    gateway: dict[str, GatewayTool] = {}
+    functions: dict[str, list[dict[str, Any]]] = {}
+    for d in declared:
+        functions[d.label] = []
+        for t in exposed[d.label]:
+            wanted = t.name if counts[t.name] == 1 else f"{d.label}__{t.name}"
+            function_name = upstream_name(wanted, client_names | gateway.keys())
+            if function_name in gateway:
+                other = gateway[function_name]
+                raise _bad(
+                    d.index,
+                    f"MCP tool {t.name!r} of server {d.label!r} and tool {other.name!r} of server "
+                    f"{other.server_label!r} both become function {function_name!r}; "
+                    "narrow them with allowed_tools",
+                    code="duplicate_tool_name",
+                )
+            gateway[function_name] = GatewayTool(
+                d.label, t.name, function_name, d.approval.required(t), retry_safe=t.retry_safe
+            )
+            functions[d.label].append(_function_tool(function_name, t))
+    return gateway, functions
+
+
+def _refuse_clashing_functions(tools: Sequence[Any], gateway: Mapping[str, GatewayTool]) -> None:
+    """Raise `InvalidRequest` (``duplicate_tool_name``) for a client ``function`` tool named like
+    an MCP function."""
+    for index, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") == "function" and tool.get("name") in gateway:
+            mcp_tool = gateway[tool["name"]]
+            raise _bad(
+                index,
+                f"function tool {tool['name']!r} has the same name as MCP tool {mcp_tool.name!r} of "
+                f"server {mcp_tool.server_label!r}; rename the function or narrow allowed_tools",
+                code="duplicate_tool_name",
+            )
+
+
+def _upstream_tools(
+    tools: Sequence[Any], declared: Sequence[_Declared], functions: Mapping[str, list[dict[str, Any]]]
+) -> tuple[list[Any], list[int]]:
+    """The upstream's ``tools`` (each mcp entry expanded into its functions, the rest as they
+    are) and, per upstream tool, the index of the client's tool it comes from."""
+    upstream: list[Any] = []
+    origins: list[int] = []  # upstream tools[i] comes from the client's tools[origins[i]]
+    by_index = {d.index: d for d in declared}
+    for index, tool in enumerate(tools):
+        mcp_entry = by_index.get(index)
+        entries = functions[mcp_entry.label] if mcp_entry is not None else [tool]
+        upstream.extend(entries)
+        origins.extend([index] * len(entries))
+    return upstream, origins
+
+
+def _list_items(
+    declared: Sequence[_Declared], exposed: Mapping[str, list[_ListedTool]]
+) -> list[dict[str, Any]]:
+    """One ``mcp_list_tools`` output item per declared server (MCP names, schemas copied)."""
+    return [
+        {
+            "type": "mcp_list_tools",
+            "id": f"mcpl_{uuid.uuid4().hex}",
+            "server_label": d.label,
+            "tools": [
+                {
+                    "name": t.name,
+                    "description": t.description,
+                    "input_schema": copy.deepcopy(t.input_schema),
+                    "annotations": copy.deepcopy(t.annotations),
+                }
+                for t in exposed[d.label]
+            ],
+        }
+        for d in declared
+    ]
+
+
+def _charge_list_items(ledger: Ledger, list_items: list[dict[str, Any]], store: bool) -> None:
+    """Reserve what the request keeps of its listings (as parsed objects) for every round, × 2
+    with `store` (they are persisted with the response); raises `BudgetExceeded` / `PoolExhausted`
+    saying so."""
+    listed = json.dumps(list_items, separators=(",", ":")).encode()
+    try:
+        ledger.reserve(LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), store))
+    except (BudgetExceeded, PoolExhausted) as exc:
+        raise _about(
+            exc,
+            "for the mcp_list_tools items of this request; or narrow its MCP servers with allowed_tools",
+        ) from None
+
+
+def _client_headers(index: int, tool: Mapping[str, Any]) -> dict[str, str]:
+    """The validated ``headers`` of a client-declared server, with ``authorization`` as a bearer
+    ``Authorization`` header; raises `InvalidRequest` naming ``tools[index]``."""
+    try:
+        headers = validate_headers(tool.get("headers") or {}, client=True)
+    except ValueError as exc:
+        raise _bad(index, str(exc)) from None
+    authorization = tool.get("authorization")
+    if authorization is not None:
+        if not isinstance(authorization, str) or any(c in authorization for c in "\r\n\0"):
+            raise _bad(index, "authorization must be a string token without CR, LF or NUL")
+        if any(name.lower() == "authorization" for name in headers):
+            raise _bad(index, "give either authorization or an Authorization header, not both")
+        headers["Authorization"] = f"Bearer {authorization}"
+    return headers
+
+
+def _listing_failure(d: _Declared, exc: BaseException, connect_timeout: float) -> McpServerUnavailable:
+    """The 502 of a server whose ``tools/list`` failed (logged), naming its label, never its URL."""
+    detail = (
+        f"no answer within {connect_timeout:g}s" if isinstance(exc, TimeoutError) else describe_exception(exc)
+    )
+    log.warning("MCP server %r: tools/list failed: %s", d.label, detail)
+    return McpServerUnavailable(
+        f"MCP server {d.label!r} is unavailable: listing its tools failed "
+        f"({detail}); retry later, or leave it out of tools",
+        param="tools",
+    )
+
+
+class _Lister:
+    """Lists the declared servers' tools for `ToolCatalog.resolve`: from the `ListingCache`
+    (``cache``), else on sessions of the `SessionPool` (``pool``, which it creates: a server's
+    ``notifications/tools/list_changed`` drops that server's cached listings), each server within
+    ``connect_timeout`` seconds."""
+
+    def __init__(
+        self, cache: ListingCache[tuple[_ListedTool, ...]], limits: PoolLimits | None, connect_timeout: float
+    ):
+        self.cache = cache
+        self.connect_timeout = connect_timeout
+        self.pool = SessionPool(limits, connect_timeout=connect_timeout, on_tools_changed=self._tools_changed)
+
+    def _tools_changed(self, endpoint: Endpoint) -> None:
+        """A server said ``notifications/tools/list_changed`` on a session to `endpoint`."""
+        dropped = self.cache.invalidate(server_identity(endpoint))
+        log.info("MCP server %s: tools/list_changed, %d cached listing(s) dropped", endpoint, dropped)
+
+    @staticmethod
+    def _key(d: _Declared, tenant: str) -> tuple[str, ...]:
+        """The cache key of `d` for caller `tenant`."""
+        return (*d.cache_key, tenant)
+
+    async def list_all(
+        self,
+        declared: Sequence[_Declared],
+        tenant: str,
+        ledger: Ledger | None,
+        meters: list[ListingMeter],
+    ) -> dict[str, tuple[_ListedTool, ...]]:
+        """Each declared server's tools, from the cache or listed concurrently (each within
+        `connect_timeout` seconds), the answers charged to `ledger` by meters appended to
+        `meters` (the caller releases them). Raises `BudgetExceeded` / `PoolExhausted` when an
+        answer did not fit, else `McpServerUnavailable` naming the first server that failed."""
+        found: dict[str, tuple[_ListedTool, ...]] = {}
+        failures: dict[str, BaseException] = {}
+        missing: list[_Declared] = []
+        for d in declared:
+            cached = self.cache.get(self._key(d, tenant))
+            if cached is not None:
+                found[d.label] = cached
+            else:
+                missing.append(d)
+        if missing:
+            async with anyio.create_task_group() as tg:
+                for d in missing:
+                    tg.start_soon(self._list_one, d, tenant, ledger, meters, found, failures)
+        for d in missing:
+            exc = failures.get(d.label)
+            if isinstance(exc, BudgetExceeded | PoolExhausted):
+                log.info("MCP server %r: tools/list refused by the request's ledger", d.label)
+                raise _about(
+                    exc,
+                    f"while reading the tools/list answer of MCP server {d.label!r}, which lists more "
+                    "tools than this request can hold; or leave that server out of tools",
+                )
+        for d in missing:
+            if d.label in failures:
+                raise _listing_failure(d, failures[d.label], self.connect_timeout)
+        return found
+
+    async def _list_one(
+        self,
+        d: _Declared,
+        tenant: str,
+        ledger: Ledger | None,
+        meters: list[ListingMeter],
+        found: dict[str, tuple[_ListedTool, ...]],
+        failures: dict[str, BaseException],
+    ) -> None:
+        """List `d` into ``found[d.label]`` (its failure into ``failures``, never raised) and
+        cache it unless the server's listings were invalidated meanwhile."""
+        meter = ListingMeter(ledger) if ledger is not None else None
+        if meter is not None:
+            meters.append(meter)
+        since = self.cache.epoch()
+        try:
+            listed = await self.fetch(d.endpoint, meter)
+        except Exception as exc:
+            failures[d.label] = exc
+            return
+        found[d.label] = listed
+        if self.cache.enabled:
+            key = self._key(d, tenant)
+            size = listing_size(_serialized(listed), key)
+            if not self.cache.put(key, server_identity(d.endpoint), listed, size, since=since):
+                log.debug("MCP server %r: listing of %d bytes not cached", d.label, size)
+
+    async def fetch(self, endpoint: Endpoint, meter: ListingMeter | None) -> tuple[_ListedTool, ...]:
+        """List every tool of `endpoint` (all pages) on a pooled session, within `connect_timeout`
+        seconds in total. ``tools/list`` has no side effects: when it fails on a reused session,
+        it is tried once more on a new one (the pooled one may have died since its last use).
+
+        `meter` (None: nothing is charged) sees the answers' bytes before the SDK parses them
+        (`metering`); in-process and stdio answers are charged once parsed. When it refuses an
+        answer, its `BudgetExceeded` / `PoolExhausted` is raised (no retry: the session is fine).
+        """
+        with anyio.fail_after(self.connect_timeout):
+            for attempt in range(2):
+                try:
+                    lease = await self.pool.acquire(endpoint, fresh=attempt > 0)
+                except SessionUnavailable as exc:
+                    raise exc.cause or exc from None
+                try:
+                    with metering(meter):
+                        tools = await self._list_pages(lease.client)
+                except BaseException as exc:
+                    if isinstance(exc, Exception) and meter is not None and meter.refused is not None:
+                        lease.release()  # the answer was refused, the session is not at fault
+                        raise meter.refused from None
+                    lease.discard()
+                    if attempt == 0 and lease.reused and isinstance(exc, Exception):
+                        log.info(
+                            "MCP tools/list failed on a reused session (%s); retrying",
+                            describe_exception(exc),
+                        )
+                        if meter is not None:
+                            meter.restart()  # that answer is gone
+                        continue
+                    raise
+                lease.release()
+                if meter is not None and meter.wire_bytes == 0:
+                    meter.charge_parsed(_serialized(tools))  # no HTTP answer to meter: in-process or stdio
+                return tools
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    async def _list_pages(client: mcp.Client) -> tuple[_ListedTool, ...]:
+        """Every page of ``tools/list`` on `client` (the first of a repeated name kept); raises
+        RuntimeError past `MAX_LIST_PAGES` pages."""
+        tools: dict[str, _ListedTool] = {}
+        cursor: str | None = None
+        for _ in range(MAX_LIST_PAGES):
+            page = await client.list_tools(cursor=cursor)
+            for tool in page.tools:
+                tools.setdefault(tool.name, _listed(tool))
+            cursor = page.next_cursor
+            if cursor is None:
+                return tuple(tools.values())
+        raise RuntimeError(f"tools/list did not end within {MAX_LIST_PAGES} pages")
+
+
 class ToolCatalog:
     """The process-wide registry of MCP servers and their cached tool lists.
 
@@ -224,12 +511,10 @@ class ToolCatalog:
         self._allowlist = UrlAllowlist(allow_prefixes)
         if not connect_timeout > 0:
             raise ValueError(f"MCP connect_timeout must be > 0 seconds, got {connect_timeout!r}")
-        self._cache: ListingCache[tuple[_ListedTool, ...]] = ListingCache(list_cache_bytes, list_ttl)
+        self._lister = _Lister(ListingCache(list_cache_bytes, list_ttl), pool_limits, connect_timeout)
         self.list_ttl = list_ttl
         self.connect_timeout = connect_timeout
-        self.pool = SessionPool(
-            pool_limits, connect_timeout=connect_timeout, on_tools_changed=self._tools_changed
-        )
+        self.pool = self._lister.pool
 
     def __repr__(self) -> str:
         return (
@@ -245,12 +530,7 @@ class ToolCatalog:
     @property
     def cache(self) -> ListingCache[tuple[_ListedTool, ...]]:
         """The listing cache (read its ``bytes`` and ``entries``; `ListingCache`)."""
-        return self._cache
-
-    def _tools_changed(self, endpoint: Endpoint) -> None:
-        """A server said ``notifications/tools/list_changed`` on a session to `endpoint`."""
-        dropped = self._cache.invalidate(server_identity(endpoint))
-        log.info("MCP server %s: tools/list_changed, %d cached listing(s) dropped", endpoint, dropped)
+        return self._lister.cache
 
     async def aclose(self) -> None:
         """Close the pooled MCP sessions (`SessionPool.aclose`); later calls get no session."""
@@ -298,7 +578,7 @@ class ToolCatalog:
                 declared.append(entry)
         meters: list[ListingMeter] = []
         try:
-            listings = await self._list_all(declared, tenant, ledger, meters)
+            listings = await self._lister.list_all(declared, tenant, ledger, meters)
             return self._expose(tools, declared, listings, tenant, ledger, store)
         finally:
             for meter in meters:
@@ -314,87 +594,18 @@ class ToolCatalog:
         store: bool,
     ) -> ResolvedTools:
         """The `ResolvedTools` of `declared` from their `listings`; charges `ledger` for the
-        ``mcp_list_tools`` items the request keeps (raises `BudgetExceeded` / `PoolExhausted`)."""
-        exposed = {d.label: [t for t in listings[d.label] if d.allowed.matches(t)] for d in declared}
-        counts = Counter(t.name for ts in exposed.values() for t in ts)
-        gateway: dict[str, GatewayTool] = {}
-        functions: dict[str, list[dict[str, Any]]] = {}
+        ``mcp_list_tools`` items the request keeps (raises `BudgetExceeded` / `PoolExhausted`),
+        refuses clashing names (`InvalidRequest`, ``duplicate_tool_name``)."""
+        exposed = _exposed(declared, listings)
         client_names = {
             str(t.get("name")) for t in tools if isinstance(t, dict) and t.get("type") == "function"
         }
-        for d in declared:
-            functions[d.label] = []
-            for t in exposed[d.label]:
-                wanted = t.name if counts[t.name] == 1 else f"{d.label}__{t.name}"
-                function_name = upstream_name(wanted, client_names | gateway.keys())
-                if function_name in gateway:
-                    other = gateway[function_name]
-                    raise _bad(
-                        d.index,
-                        f"MCP tool {t.name!r} of server {d.label!r} and tool {other.name!r} of server "
-                        f"{other.server_label!r} both become function {function_name!r}; "
-                        "narrow them with allowed_tools",
-                        code="duplicate_tool_name",
-                    )
-                gateway[function_name] = GatewayTool(
-                    d.label, t.name, function_name, d.approval.required(t), retry_safe=t.retry_safe
-                )
-                functions[d.label].append(
-                    {
-                        "type": "function",
-                        "name": function_name,
-                        "description": t.description or "",
-                        "parameters": copy.deepcopy(t.input_schema),
-                        "strict": False,
-                    }
-                )
-        for index, tool in enumerate(tools):
-            if isinstance(tool, dict) and tool.get("type") == "function" and tool.get("name") in gateway:
-                mcp_tool = gateway[tool["name"]]
-                raise _bad(
-                    index,
-                    f"function tool {tool['name']!r} has the same name as MCP tool {mcp_tool.name!r} of "
-                    f"server {mcp_tool.server_label!r}; rename the function or narrow allowed_tools",
-                    code="duplicate_tool_name",
-                )
-
-        upstream: list[dict[str, Any]] = []
-        origins: list[int] = []  # upstream tools[i] comes from the client's tools[origins[i]]
-        by_index = {d.index: d for d in declared}
-        for index, tool in enumerate(tools):
-            mcp_entry = by_index.get(index)
-            entries = functions[mcp_entry.label] if mcp_entry is not None else [tool]
-            upstream.extend(entries)
-            origins.extend([index] * len(entries))
-        list_items = [
-            {
-                "type": "mcp_list_tools",
-                "id": f"mcpl_{uuid.uuid4().hex}",
-                "server_label": d.label,
-                "tools": [
-                    {
-                        "name": t.name,
-                        "description": t.description,
-                        "input_schema": copy.deepcopy(t.input_schema),
-                        "annotations": copy.deepcopy(t.annotations),
-                    }
-                    for t in exposed[d.label]
-                ],
-            }
-            for d in declared
-        ]
+        gateway, functions = _name_functions(declared, exposed, client_names)
+        _refuse_clashing_functions(tools, gateway)
+        upstream, origins = _upstream_tools(tools, declared, functions)
+        list_items = _list_items(declared, exposed)
         if ledger is not None and list_items:
-            # What the request keeps of its listings (as parsed objects) for every round, × 2 with
-            # store (they are persisted with the response).
-            listed = json.dumps(list_items, separators=(",", ":")).encode()
-            try:
-                ledger.reserve(LISTING_MODEL.accumulated_charge(len(listed), count_json_nodes(listed), store))
-            except (BudgetExceeded, PoolExhausted) as exc:
-                raise _about(
-                    exc,
-                    "for the mcp_list_tools items of this request; or narrow its MCP servers with "
-                    "allowed_tools",
-                ) from None
+            _charge_list_items(ledger, list_items, store)
         return ResolvedTools(
             upstream_tools=upstream,
             list_items=list_items,
@@ -444,139 +655,7 @@ class ToolCatalog:
             # The URL as given (no credentials: normalize_url refused those; query hidden): its
             # normal form may already have resolved the very dot segments that are refused.
             raise _bad(index, f"server_url {redact_url(url)} {refusal}", code="mcp_server_not_allowed")
-        try:
-            headers = validate_headers(tool.get("headers") or {}, client=True)
-        except ValueError as exc:
-            raise _bad(index, str(exc)) from None
-        authorization = tool.get("authorization")
-        if authorization is not None:
-            if not isinstance(authorization, str) or any(c in authorization for c in "\r\n\0"):
-                raise _bad(index, "authorization must be a string token without CR, LF or NUL")
-            if any(name.lower() == "authorization" for name in headers):
-                raise _bad(index, "give either authorization or an Authorization header, not both")
-            headers["Authorization"] = f"Bearer {authorization}"
+        headers = _client_headers(index, tool)
         digest = hashlib.sha256(repr(sorted((k.lower(), v) for k, v in headers.items())).encode()).hexdigest()
         endpoint = Endpoint(url=normal, headers=headers)
         return _Declared(index, label, endpoint, ("client", normal, digest), allowed, approval)
-
-    def _key(self, d: _Declared, tenant: str) -> tuple[str, ...]:
-        """The cache key of `d` for caller `tenant`."""
-        return (*d.cache_key, tenant)
-
-    async def _list_all(
-        self,
-        declared: Sequence[_Declared],
-        tenant: str,
-        ledger: Ledger | None,
-        meters: list[ListingMeter],
-    ) -> dict[str, tuple[_ListedTool, ...]]:
-        """Each declared server's tools, from the cache or listed concurrently (each within
-        `connect_timeout` seconds), the answers charged to `ledger` by meters appended to
-        `meters` (the caller releases them). Raises `BudgetExceeded` / `PoolExhausted` when an
-        answer did not fit, else `McpServerUnavailable` naming the first server that failed."""
-        found: dict[str, tuple[_ListedTool, ...]] = {}
-        failures: dict[str, BaseException] = {}
-        missing: list[_Declared] = []
-        for d in declared:
-            cached = self._cache.get(self._key(d, tenant))
-            if cached is not None:
-                found[d.label] = cached
-            else:
-                missing.append(d)
-
-        async def fetch(d: _Declared) -> None:
-            meter = ListingMeter(ledger) if ledger is not None else None
-            if meter is not None:
-                meters.append(meter)
-            since = self._cache.epoch()
-            try:
-                listed = await self._fetch(d.endpoint, meter)
-            except Exception as exc:
-                failures[d.label] = exc
-                return
-            found[d.label] = listed
-            if self._cache.enabled:
-                key = self._key(d, tenant)
-                size = listing_size(_serialized(listed), key)
-                if not self._cache.put(key, server_identity(d.endpoint), listed, size, since=since):
-                    log.debug("MCP server %r: listing of %d bytes not cached", d.label, size)
-
-        if missing:
-            async with anyio.create_task_group() as tg:
-                for d in missing:
-                    tg.start_soon(fetch, d)
-        for d in missing:
-            exc = failures.get(d.label)
-            if isinstance(exc, BudgetExceeded | PoolExhausted):
-                log.info("MCP server %r: tools/list refused by the request's ledger", d.label)
-                raise _about(
-                    exc,
-                    f"while reading the tools/list answer of MCP server {d.label!r}, which lists more "
-                    "tools than this request can hold; or leave that server out of tools",
-                )
-        for d in missing:
-            if d.label in failures:
-                exc = failures[d.label]
-                detail = (
-                    f"no answer within {self.connect_timeout:g}s"
-                    if isinstance(exc, TimeoutError)
-                    else describe_exception(exc)
-                )
-                log.warning("MCP server %r: tools/list failed: %s", d.label, detail)
-                raise McpServerUnavailable(
-                    f"MCP server {d.label!r} is unavailable: listing its tools failed "
-                    f"({detail}); retry later, or leave it out of tools",
-                    param="tools",
-                )
-        return found
-
-    async def _fetch(self, endpoint: Endpoint, meter: ListingMeter | None) -> tuple[_ListedTool, ...]:
-        """List every tool of `endpoint` (all pages) on a pooled session, within `connect_timeout`
-        seconds in total. ``tools/list`` has no side effects: when it fails on a reused session,
-        it is tried once more on a new one (the pooled one may have died since its last use).
-
-        `meter` (None: nothing is charged) sees the answers' bytes before the SDK parses them
-        (`metering`); in-process and stdio answers are charged once parsed. When it refuses an
-        answer, its `BudgetExceeded` / `PoolExhausted` is raised (no retry: the session is fine).
-        """
-        with anyio.fail_after(self.connect_timeout):
-            for attempt in range(2):
-                try:
-                    lease = await self.pool.acquire(endpoint, fresh=attempt > 0)
-                except SessionUnavailable as exc:
-                    raise exc.cause or exc from None
-                try:
-                    with metering(meter):
-                        tools = await self._list_pages(lease.client)
-                except BaseException as exc:
-                    if isinstance(exc, Exception) and meter is not None and meter.refused is not None:
-                        lease.release()  # the answer was refused, the session is not at fault
-                        raise meter.refused from None
-                    lease.discard()
-                    if attempt == 0 and lease.reused and isinstance(exc, Exception):
-                        log.info(
-                            "MCP tools/list failed on a reused session (%s); retrying",
-                            describe_exception(exc),
-                        )
-                        if meter is not None:
-                            meter.restart()  # that answer is gone
-                        continue
-                    raise
-                lease.release()
-                if meter is not None and meter.wire_bytes == 0:
-                    meter.charge_parsed(_serialized(tools))  # no HTTP answer to meter: in-process or stdio
-                return tools
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    @staticmethod
-    async def _list_pages(client: mcp.Client) -> tuple[_ListedTool, ...]:
-        tools: dict[str, _ListedTool] = {}
-        cursor: str | None = None
-        for _ in range(MAX_LIST_PAGES):
-            page = await client.list_tools(cursor=cursor)
-            for tool in page.tools:
-                tools.setdefault(tool.name, _listed(tool))
-            cursor = page.next_cursor
-            if cursor is None:
-                return tuple(tools.values())
-        raise RuntimeError(f"tools/list did not end within {MAX_LIST_PAGES} pages")
