@@ -333,6 +333,25 @@ async def run_tool_calls(
     anything runs); the ledger's exception (``BudgetExceeded``) when a result does not fit, after
     cancelling the other calls; and the cancellation itself when the awaiting task is cancelled.
     """
+    _check_run(calls, timeout=timeout, concurrency=concurrency, max_result_bytes=max_result_bytes)
+    if not calls:
+        return []
+    own_pool = resolved.pool is None
+    pool = resolved.pool or SessionPool(connect_timeout=resolved.connect_timeout)
+    runner = _Runner(resolved, pool, ledger, timeout=timeout, max_result_bytes=max_result_bytes)
+    try:
+        return await _run_window(runner, calls, concurrency)
+    finally:
+        if own_pool:
+            with anyio.CancelScope(shield=True):
+                await pool.aclose()
+
+
+def _check_run(
+    calls: Sequence[Mapping[str, Any]], *, timeout: float, concurrency: int, max_result_bytes: int
+) -> None:
+    """Raise ValueError for a bad setting of `run_tool_calls` or a call without a string
+    ``call_id`` / ``name``."""
     if not timeout > 0:
         raise ValueError(f"tool timeout must be > 0 seconds, got {timeout!r}")
     if concurrency < 1:
@@ -342,36 +361,33 @@ async def run_tool_calls(
     for call in calls:
         if not isinstance(call.get("call_id"), str) or not isinstance(call.get("name"), str):
             raise ValueError("every tool call needs a string call_id and name")
-    if not calls:
-        return []
 
+
+async def _run_window(
+    runner: _Runner, calls: Sequence[Mapping[str, Any]], concurrency: int
+) -> list[ToolOutcome]:
+    """Run `calls` on `runner`, at most `concurrency` at a time, outcomes in the order of `calls`.
+    A result the ledger refuses cancels the other calls and its exception is raised; any other
+    exception of one call becomes that call's ``error`` outcome (logged)."""
     results: list[ToolOutcome | None] = [None] * len(calls)
     overflow: list[Exception] = []
     pending = iter(range(len(calls)))
-    own_pool = resolved.pool is None
-    pool = resolved.pool or SessionPool(connect_timeout=resolved.connect_timeout)
-    runner = _Runner(resolved, pool, ledger, timeout=timeout, max_result_bytes=max_result_bytes)
-    try:
-        async with anyio.create_task_group() as workers:
+    async with anyio.create_task_group() as workers:
 
-            async def work() -> None:
-                for index in pending:
-                    try:
-                        results[index] = await runner.execute(calls[index])
-                    except _LedgerRefused as exc:
-                        overflow.append(exc.cause)
-                        workers.cancel_scope.cancel()
-                        return
-                    except Exception:  # a bug here must not leave a call_id dangling
-                        log.exception("tool call %r failed inside the gateway", calls[index]["call_id"])
-                        results[index] = _internal_error(calls[index]["call_id"])
+        async def work() -> None:
+            for index in pending:
+                try:
+                    results[index] = await runner.execute(calls[index])
+                except _LedgerRefused as exc:
+                    overflow.append(exc.cause)
+                    workers.cancel_scope.cancel()
+                    return
+                except Exception:  # a bug here must not leave a call_id dangling
+                    log.exception("tool call %r failed inside the gateway", calls[index]["call_id"])
+                    results[index] = _internal_error(calls[index]["call_id"])
 
-            for _ in range(min(concurrency, len(calls))):
-                workers.start_soon(work)
-    finally:
-        if own_pool:
-            with anyio.CancelScope(shield=True):
-                await pool.aclose()
+        for _ in range(min(concurrency, len(calls))):
+            workers.start_soon(work)
     if overflow:
         raise overflow[0]
     done = [outcome for outcome in results if outcome is not None]

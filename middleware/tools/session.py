@@ -286,12 +286,11 @@ class _GatewayTransport(httpx2.AsyncBaseTransport):
         self._close_timeout = close_timeout
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        """Send `request`; what the SDK sees is never a redirect, a compressed body or an unbounded
+        JSON body, and a failure that says whether the request ran becomes a JSON-RPC error
+        (`_failure_response`). Raises `MessageTooLarge` for a compressed answer."""
         try:
-            if request.method == "DELETE":
-                with anyio.fail_after(self._close_timeout):
-                    response = await self._inner.handle_async_request(request)
-            else:
-                response = await self._inner.handle_async_request(request)
+            response = await self._send(request)
         except httpx2.TransportError as exc:
             if request.method != "POST" or not self._health.established:
                 raise
@@ -306,30 +305,45 @@ class _GatewayTransport(httpx2.AsyncBaseTransport):
         if 300 <= response.status_code < 400:
             return await self._refuse_redirect(request, response)
         if response.status_code == 404 and "mcp-session-id" in request.headers and request.method != "DELETE":
-            body = await _small_json_body(response)
-            answer = body.get("error") if body is not None else None
-            if isinstance(answer, dict) and answer.get("code") == METHOD_NOT_FOUND:
-                return httpx2.Response(
-                    404, json={"jsonrpc": "2.0", "id": None, "error": answer}, request=request
-                )
-            if request.method == "POST" and body is not None and body.get("id") is not None:
-                # An answer to this very request (its id), not the session layer's refusal (the
-                # SDK's "Session not found" carries id null): the server's dispatcher saw the
-                # request, so it may have run — never proof that it did not.
-                self._health.fail("the server answered HTTP 404 to a request on the session")
-                return _failure_response(
-                    request,
-                    "the MCP server answered the request with HTTP 404; it may have been run",
-                    not_run=False,
-                )
-            self._health.fail("the server answered 404 for the session (it expired or the server restarted)")
-            if request.method == "POST":
-                return _failure_response(
-                    request,
-                    "the MCP server does not know this session any more (HTTP 404); the request was not run",
-                    not_run=True,
-                )
-            return httpx2.Response(404, request=request)
+            return await self._session_404(request, response)
+        return await self._bounded(response)
+
+    async def _send(self, request: httpx2.Request) -> httpx2.Response:
+        """The inner transport's response; a session's closing DELETE within ``close_timeout`` s."""
+        if request.method == "DELETE":
+            with anyio.fail_after(self._close_timeout):
+                return await self._inner.handle_async_request(request)
+        return await self._inner.handle_async_request(request)
+
+    async def _session_404(self, request: httpx2.Request, response: httpx2.Response) -> httpx2.Response:
+        """A 404 to a request on a session: a JSON-RPC "method not found" passes through; an
+        answer to this very request may have run it; otherwise the session is gone (not run)."""
+        body = await _small_json_body(response)
+        answer = body.get("error") if body is not None else None
+        if isinstance(answer, dict) and answer.get("code") == METHOD_NOT_FOUND:
+            return httpx2.Response(404, json={"jsonrpc": "2.0", "id": None, "error": answer}, request=request)
+        if request.method == "POST" and body is not None and body.get("id") is not None:
+            # An answer to this very request (its id), not the session layer's refusal (the
+            # SDK's "Session not found" carries id null): the server's dispatcher saw the
+            # request, so it may have run — never proof that it did not.
+            self._health.fail("the server answered HTTP 404 to a request on the session")
+            return _failure_response(
+                request,
+                "the MCP server answered the request with HTTP 404; it may have been run",
+                not_run=False,
+            )
+        self._health.fail("the server answered 404 for the session (it expired or the server restarted)")
+        if request.method == "POST":
+            return _failure_response(
+                request,
+                "the MCP server does not know this session any more (HTTP 404); the request was not run",
+                not_run=True,
+            )
+        return httpx2.Response(404, request=request)
+
+    async def _bounded(self, response: httpx2.Response) -> httpx2.Response:
+        """`response` with its JSON body bounded by ``max_json_bytes`` and its JSON and SSE bodies
+        metered (`_FixedStream`); raises `MessageTooLarge` for a compressed answer."""
         kind = response.headers.get("content-type", "").lower()
         encoding = response.headers.get("content-encoding", "identity").lower()
         if encoding != "identity":
