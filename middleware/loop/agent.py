@@ -69,14 +69,196 @@ from middleware.upstream.reader import (
 )
 
 T = TypeVar("T")
+#: `ItemLog.add_call` without an approval (no ``approval_request_id`` field).
+_NO_APPROVAL: Any = object()
 log = logging.getLogger("loopwarden")
+
+
+class UpstreamRounds:
+    """The inference calls of one request: each round's body is posted to the request's upstream
+    (under keep-alives) and its answer read under the ledger, buffered or streamed (the stream's
+    events forwarded by the `StreamStitcher`, None when the client is not streamed). What held a
+    round's answer is released by `release` once its items are kept.
+
+    Raises the upstream's failures (`middleware.upstream.errors`, its ``param`` and message
+    re-indexed to the client's tools) and the ledger's."""
+
+    def __init__(
+        self,
+        state: GatewayState,
+        ctx: RequestContext,
+        resolved: ResolvedTools,
+        stitcher: StreamStitcher | None,
+    ) -> None:
+        self.state = state
+        self.ctx = ctx
+        self.client = ctx.client
+        self.resolved = resolved
+        self.stitcher = stitcher
+        self._acc: StreamAccumulator | None = None
+        self._charge = 0
+
+    async def with_keepalive(self, work: Awaitable[T]) -> T:
+        """Await `work` (cancelled if this is), sending the client a keep-alive every
+        ``keepalive_interval`` seconds meanwhile; what is buffered is flushed first."""
+        await self.client.flush()  # what is buffered reaches the client before the wait
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.client.keepalive_interval)
+                if done:
+                    return task.result()
+                await self.client.keepalive()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def call(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One round: the terminal response object (its ``status`` the terminal event's) and the
+        output items."""
+        upstream = self.state.upstream_for(self.ctx.route)
+        response = await self.with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
+        try:
+            if response.status_code >= 400:
+                failure = status_failure(response.status_code, await read_limited(response), response.headers)
+                # the client's tools[j], not the expanded list's tools[i] (B29)
+                failure.message = self.resolved.client_text(failure.message)
+                failure.args = (failure.message,)
+                failure.param = None if failure.param is None else self.resolved.client_text(failure.param)
+                raise failure
+            if response.headers.get("content-type", "").lower().startswith("text/event-stream"):
+                return await self._stream(response)
+            return await self._buffered(response)
+        finally:
+            await response.aclose()
+
+    async def _buffered(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A buffered answer (replayed as events to a streamed client)."""
+        answer = await read_response_object(response, self.ctx.ledger)
+        parsed, items = answer.parsed, answer.items
+        self._charge = answer.charge  # released once the round's kept items are recorded
+        if self.stitcher is not None:  # a buffered answer to a streamed round: replay it as events
+            await self.stitcher.synthesize(parsed, items)
+        return parsed, items
+
+    async def _stream(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A streamed answer, accumulated (and forwarded to a streamed client)."""
+        acc = StreamAccumulator(self.ctx.ledger)
+        forward = self.stitcher.forward if self.stitcher is not None else None
+        await read_round(response, self.ctx.ledger, client=self.client, acc=acc, on_event=forward)
+        if acc.terminal is None:  # a terminal event without a response object
+            raise no_terminal_event()
+        # The terminal event's type is the round's status: a response.failed / .incomplete never
+        # runs tools, whatever its "status" field says (DESIGN.md §6).
+        status = TERMINAL_STATUS[acc.terminal_type or "response.completed"]
+        terminal, output = {**acc.terminal, "status": status}, acc.output()
+        self._acc = acc  # released once the round's kept items are recorded
+        return terminal, output
+
+    def release(self) -> None:
+        """Release what held the round's answer (its items are charged as kept state now)."""
+        if self._acc is not None:
+            self._acc.release_all()
+            self._acc = None
+        if self._charge:
+            self.ctx.ledger.release(self._charge)
+            self._charge = 0
+
+
+class ItemLog:
+    """What one request keeps of its rounds, in order: ``items`` (what the client sees: the
+    response's ``output``) and ``replay`` (what is appended to the input upstream next round),
+    both lists shared with the loop and its recorder; a streamed client gets each new item
+    through the `StreamStitcher` (None: buffered). Replayed items are charged to the ledger as
+    accumulated state (`BudgetExceeded` when they do not fit)."""
+
+    def __init__(
+        self,
+        ctx: RequestContext,
+        resolved: ResolvedTools,
+        items: list[dict[str, Any]],
+        replay: list[dict[str, Any]],
+        stitcher: StreamStitcher | None,
+    ) -> None:
+        self.ctx = ctx
+        self.resolved = resolved
+        self.items = items
+        self.replay = replay
+        self.stitcher = stitcher
+
+    def replay_output(self, call_id: Any, text: str) -> None:
+        """Replay a ``function_call_output`` answering `call_id` with `text`."""
+        self.replay.append({"type": "function_call_output", "call_id": call_id, "output": text})
+
+    async def add_call(
+        self,
+        call: dict[str, Any],
+        outcome: ToolOutcome,
+        label: str,
+        name: str,
+        approval_request_id: Any = _NO_APPROVAL,
+    ) -> None:
+        """Show an executed gateway call as an ``mcp_call`` item (with its ``approval_request_id``
+        when it ran on approval), under the id the stream announced it with."""
+        item_id = self.stitcher.call_ids.get(id(call)) if self.stitcher is not None else None
+        item = mcp_call_item(call, outcome, label, name, item_id or new_id("mcp"))
+        if approval_request_id is not _NO_APPROVAL:
+            item["approval_request_id"] = approval_request_id
+        self.items.append(item)
+        if self.stitcher is not None:
+            await self.stitcher.finish_call(call, item)
+
+    async def record_round(
+        self,
+        output: Sequence[dict[str, Any]],
+        run: Sequence[dict[str, Any]],
+        outcomes: Sequence[ToolOutcome],
+        omitted: Sequence[dict[str, Any]],
+        approvals: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        """Append the round's items: replayed upstream next round, shown to the client now.
+
+        Executed gateway calls become ``mcp_call`` items (after the round's visible items);
+        calls awaiting approval become ``mcp_approval_request`` items; omitted calls vanish.
+        """
+        ran = {id(call): outcome for call, outcome in zip(run, outcomes, strict=True)}
+        skipped = {id(call) for call in omitted}
+        pending = {id(call) for call in approvals}
+        calls: list[dict[str, Any]] = []
+        start = len(self.replay)
+        for item in output:
+            if id(item) in ran:
+                self.replay.append(item)
+                self.replay_output(item.get("call_id"), ran[id(item)].output)
+                calls.append(item)
+            elif id(item) in pending:
+                self.replay.append(item)  # answered by a later request's mcp_approval_response
+            elif id(item) not in skipped:
+                self.replay.append(item)
+                self.items.append(item)
+        self.ctx.ledger.admit_accumulated(json.dumps(self.replay[start:], separators=(",", ":")).encode())
+        for call in calls:
+            tool = self.resolved.gateway_tool(str(call.get("name")))
+            assert tool is not None
+            await self.add_call(call, ran[id(call)], tool.server_label, tool.name)
+        for call in approvals:
+            tool = self.resolved.gateway_tool(str(call.get("name")))
+            assert tool is not None
+            request = approval_request_item(
+                call, approval_id(str(call.get("call_id"))), tool.server_label, tool.name
+            )
+            self.items.append(request)
+            if self.stitcher is not None:
+                await self.stitcher.add_item(request)
 
 
 class AgentLoop:
     """The rounds of one request whose tools include gateway-owned MCP tools.
 
     ``state``: process state (settings, upstream client); ``ctx``: the admitted request (its
-    ``client`` is the one writer to the client); ``resolved``: the request's tools.
+    ``client`` is the one writer to the client); ``resolved``: the request's tools. The rounds'
+    upstream calls are an `UpstreamRounds`, what they keep an `ItemLog`.
     """
 
     def __init__(self, state: GatewayState, ctx: RequestContext, resolved: ResolvedTools) -> None:
@@ -118,9 +300,9 @@ class AgentLoop:
             replay=self.replay,
             background=ctx.response_id is not None and self.request.get("background") is True,
         )
+        self.upstream = UpstreamRounds(state, ctx, resolved, self.stitcher)
+        self.log = ItemLog(ctx, resolved, self.items, self.replay, self.stitcher)
         self.rounds_observed = False
-        self._round_acc: StreamAccumulator | None = None
-        self._round_charge = 0
 
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -148,15 +330,25 @@ class AgentLoop:
         settle answered approvals, stored or stateless (B03, B05, B37, B39)."""
         # What tools/list brought in is already charged: `ToolCatalog.resolve` charged each answer
         # while it was read and, once the tools were exposed, what this request keeps of them.
-        store = self.state.store
         if "tool_choice" in self.request:
             self.tool_choice, self.later_tool_choice = translate_tool_choice(
                 self.request["tool_choice"], self.resolved
             )
         # in place: the recorder stores the resolved items, so a later chain never holds a reference
         self.input_items[:] = await resolve_references(
-            self.input_items, store, self.ctx.owner, self.ctx.ledger
+            self.input_items, self.state.store, self.ctx.owner, self.ctx.ledger
         )
+        await self._restore_history()
+        lowered = self._lower_input()
+        self.history, self.new_input = self._lower_compaction()
+        approvals = pending_approvals([*self.history, *lowered.pending], lowered.answers)
+        check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
+        await self._settle_approvals(approvals)
+
+    async def _restore_history(self) -> None:
+        """The history before the new input: the WebSocket connection's memory, else the stored
+        chain; without a store, ``previous_response_id`` / ``conversation`` is a 400."""
+        store = self.state.store
         if self.ctx.memory is not None:  # a WebSocket turn: connection memory first
             self.recorder.restored = await restore_turn_history(
                 self.request, store, self.ctx.owner, self.ctx.ledger, self.ctx.memory
@@ -176,10 +368,11 @@ class AgentLoop:
                 code="invalid_request",
                 param="previous_response_id",
             )
-        lowered = self._lower_input()
-        self.history, self.new_input = self._lower_compaction()
-        approvals = pending_approvals([*self.history, *lowered.pending], lowered.answers)
-        check_call_pairs(self.history, self.new_input, {str(call.get("call_id")) for call, _ in approvals})
+
+    async def _settle_approvals(self, approvals: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        """Run the approved calls of `approvals` ((call, mcp_approval_response) pairs; as
+        ``mcp_call`` items with their ``approval_request_id``) and replay every call's output:
+        its result, or the refusal of a denied one."""
         approved = check_approvals(approvals, self.resolved, self.max_tool_calls)
         if approved and self.stitcher is not None:
             await self.stitcher.ensure_started()
@@ -192,19 +385,12 @@ class AgentLoop:
                 label, name = (
                     (tool.server_label, tool.name) if tool is not None else ("", str(call.get("name")))
                 )
-                item_id = self.stitcher.call_ids.get(id(call)) if self.stitcher is not None else None
-                item = mcp_call_item(call, outcome, label, name, item_id or new_id("mcp"))
-                item["approval_request_id"] = answer.get("approval_request_id")
-                self.items.append(item)
-                if self.stitcher is not None:
-                    await self.stitcher.finish_call(call, item)
+                await self.log.add_call(call, outcome, label, name, answer.get("approval_request_id"))
                 text = outcome.output
             else:
                 reason = answer.get("reason")
                 text = refuse_tool_call(call, reason if isinstance(reason, str) else None).output
-            self.replay.append(
-                {"type": "function_call_output", "call_id": call.get("call_id"), "output": text}
-            )
+            self.log.replay_output(call.get("call_id"), text)
 
     def _lower_compaction(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The history and new input with their compaction items lowered for this upstream
@@ -234,6 +420,7 @@ class AgentLoop:
         return lowered
 
     async def _loop(self) -> None:
+        """Round after round until `classify_round` says stop; then `_finish`."""
         while True:
             self.rounds += 1
             body = upstream_body(
@@ -245,48 +432,19 @@ class AgentLoop:
                 tool_choice=self.tool_choice,
                 later_tool_choice=self.later_tool_choice,
             )
-            terminal, output = await self._round(body)
+            terminal, output = await self.upstream.call(body)
             self.usage = sum_usage(self.usage, terminal.get("usage"))
-            seen = {
-                i.get("call_id")
-                for i in (*self.history, *self.new_input, *self.replay)
-                if i.get("type") == "function_call"
-            }
-            gateway_calls, client_calls, approvals = split_calls(output, self.resolved, seen)
-            left = None if self.max_tool_calls is None else max(0, self.max_tool_calls - self.tool_calls_used)
-            details = terminal.get("incomplete_details")
-            decision = classify_round(
-                RoundState(
-                    status=str(terminal.get("status") or "completed"),
-                    incomplete_reason=details.get("reason") if isinstance(details, dict) else None,
-                    gateway_calls=gateway_calls,
-                    client_calls=client_calls + approvals,
-                    tool_calls_left=left,
-                    inference_calls=self.rounds,
-                    max_infer_iters=self.ctx.limits.max_infer_iters,
-                )
-            )
-            if isinstance(decision, LoopDetected):
-                raise LoopLimitReached(
-                    f"the model still called gateway tools after {decision.inference_calls} inference calls "
-                    f"(max_infer_iters={self.ctx.limits.max_infer_iters}); raise max_infer_iters or change the "
-                    "prompt or tools so that the model can finish",
-                    calls=decision.inference_calls,
-                    limit=self.ctx.limits.max_infer_iters,
-                )
+            decision, gateway_calls, approvals = self._decide(terminal, output)
             run: tuple[dict[str, Any], ...] = () if isinstance(decision, Done) else decision.run
-            pending_ids = {id(c) for c in approvals} if isinstance(decision, RequiresClientAction) else set()
-            ran_ids = {id(c) for c in run}
+            pending = approvals if isinstance(decision, RequiresClientAction) else []
             # gateway calls that neither run nor await approval (tool cap, upstream incomplete or
             # failed) are omitted: hidden from the client and never replayed without an output
-            omitted = tuple(
-                c for c in (*gateway_calls, *approvals) if id(c) not in ran_ids and id(c) not in pending_ids
-            )
+            kept = {id(c) for c in (*run, *pending)}
+            omitted = tuple(c for c in (*gateway_calls, *approvals) if id(c) not in kept)
             outcomes = await self._run_tools(run)
             self.tool_calls_used += len(run)
-            pending = approvals if isinstance(decision, RequiresClientAction) else []
-            await self._record_round(output, run, outcomes, omitted, pending)
-            self._release_round()
+            await self.log.record_round(output, run, outcomes, omitted, pending)
+            self.upstream.release()
             if isinstance(decision, Continue):
                 continue
             if isinstance(decision, Incomplete) and decision.reason == "max_tool_calls":
@@ -294,16 +452,44 @@ class AgentLoop:
             await self._finish(terminal, decision)
             return
 
-    def _release_round(self) -> None:
-        """Release what held the round's answer (its items are charged as kept state now)."""
-        if self._round_acc is not None:
-            self._round_acc.release_all()
-            self._round_acc = None
-        if self._round_charge:
-            self.ctx.ledger.release(self._round_charge)
-            self._round_charge = 0
+    def _decide(
+        self, terminal: dict[str, Any], output: list[dict[str, Any]]
+    ) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]]]:
+        """`classify_round` of a round's answer; returns the decision, the round's gateway calls
+        and its calls that need approval. Raises `LoopLimitReached` (508) past ``max_infer_iters``."""
+        seen = {
+            i.get("call_id")
+            for i in (*self.history, *self.new_input, *self.replay)
+            if i.get("type") == "function_call"
+        }
+        gateway_calls, client_calls, approvals = split_calls(output, self.resolved, seen)
+        left = None if self.max_tool_calls is None else max(0, self.max_tool_calls - self.tool_calls_used)
+        details = terminal.get("incomplete_details")
+        limit = self.ctx.limits.max_infer_iters
+        decision = classify_round(
+            RoundState(
+                status=str(terminal.get("status") or "completed"),
+                incomplete_reason=details.get("reason") if isinstance(details, dict) else None,
+                gateway_calls=gateway_calls,
+                client_calls=client_calls + approvals,
+                tool_calls_left=left,
+                inference_calls=self.rounds,
+                max_infer_iters=limit,
+            )
+        )
+        if isinstance(decision, LoopDetected):
+            raise LoopLimitReached(
+                f"the model still called gateway tools after {decision.inference_calls} inference calls "
+                f"(max_infer_iters={limit}); raise max_infer_iters or change the "
+                "prompt or tools so that the model can finish",
+                calls=decision.inference_calls,
+                limit=limit,
+            )
+        return decision, gateway_calls, approvals
 
     async def _run_tools(self, calls: Sequence[dict[str, Any]]) -> list[ToolOutcome]:
+        """Run gateway calls (announced to a streamed client first) under keep-alives; marks the
+        request as having run side effects unless every tool is retry-safe."""
         if not calls:
             return []
         if not all(self._retry_safe(call) for call in calls):
@@ -320,7 +506,7 @@ class AgentLoop:
             concurrency=settings.tool_concurrency,
             max_result_bytes=settings.tool_max_result_bytes,
         )
-        return await self._with_keepalive(work)
+        return await self.upstream.with_keepalive(work)
 
     def _retry_safe(self, call: dict[str, Any]) -> bool:
         """Whether running `call` again on a retry is harmless: its tool is annotated
@@ -328,74 +514,9 @@ class AgentLoop:
         tool = self.resolved.gateway_tool(str(call.get("name")))
         return tool is not None and tool.retry_safe
 
-    async def _with_keepalive(self, work: Awaitable[T]) -> T:
-        await self.client.flush()  # what is buffered reaches the client before the wait
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.client.keepalive_interval)
-                if done:
-                    return task.result()
-                await self.client.keepalive()
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-
-    async def _record_round(
-        self,
-        output: Sequence[dict[str, Any]],
-        run: Sequence[dict[str, Any]],
-        outcomes: Sequence[ToolOutcome],
-        omitted: Sequence[dict[str, Any]],
-        approvals: Sequence[dict[str, Any]] = (),
-    ) -> None:
-        """Append the round's items: replayed upstream next round, shown to the client now.
-
-        Executed gateway calls become ``mcp_call`` items (after the round's visible items);
-        calls awaiting approval become ``mcp_approval_request`` items; omitted calls vanish.
-        """
-        ran = {id(call): outcome for call, outcome in zip(run, outcomes, strict=True)}
-        skipped = {id(call) for call in omitted}
-        pending = {id(call) for call in approvals}
-        calls: list[dict[str, Any]] = []
-        start = len(self.replay)
-        for item in output:
-            if id(item) in ran:
-                outcome = ran[id(item)]
-                self.replay.append(item)
-                self.replay.append(
-                    {"type": "function_call_output", "call_id": item.get("call_id"), "output": outcome.output}
-                )
-                calls.append(item)
-            elif id(item) in pending:
-                self.replay.append(item)  # answered by a later request's mcp_approval_response
-            elif id(item) in skipped:
-                continue
-            else:
-                self.replay.append(item)
-                self.items.append(item)
-        self.ctx.ledger.admit_accumulated(json.dumps(self.replay[start:], separators=(",", ":")).encode())
-        for call in calls:
-            outcome = ran[id(call)]
-            tool = self.resolved.gateway_tool(str(call.get("name")))
-            assert tool is not None
-            item_id = self.stitcher.call_ids.get(id(call)) if self.stitcher is not None else None
-            item = mcp_call_item(call, outcome, tool.server_label, tool.name, item_id or new_id("mcp"))
-            self.items.append(item)
-            if self.stitcher is not None:
-                await self.stitcher.finish_call(call, item)
-        for call in approvals:
-            tool = self.resolved.gateway_tool(str(call.get("name")))
-            assert tool is not None
-            request = approval_request_item(
-                call, approval_id(str(call.get("call_id"))), tool.server_label, tool.name
-            )
-            self.items.append(request)
-            if self.stitcher is not None:
-                await self.stitcher.add_item(request)
-
     async def _finish(self, terminal: dict[str, Any], decision: Any) -> None:
+        """Answer once: the final response object charged, persisted, then sent (the terminal
+        event, or the JSON body); a WebSocket turn keeps its continuation in connection memory."""
         final = final_response(
             terminal,
             response_id=self.response_id,
@@ -422,44 +543,3 @@ class AgentLoop:
             self.ctx.memory.remember(
                 self.response_id, continuation_items(self.recorder.restored, self.input_items, self.replay)
             )
-
-    # -- one round -------------------------------------------------------------------------
-    async def _round(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        upstream = self.state.upstream_for(self.ctx.route)
-        response = await self._with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
-        try:
-            if response.status_code >= 400:
-                failure = status_failure(response.status_code, await read_limited(response), response.headers)
-                # the client's tools[j], not the expanded list's tools[i] (B29)
-                failure.message = self.resolved.client_text(failure.message)
-                failure.args = (failure.message,)
-                failure.param = None if failure.param is None else self.resolved.client_text(failure.param)
-                raise failure
-            if response.headers.get("content-type", "").lower().startswith("text/event-stream"):
-                return await self._round_stream(response)
-            return await self._round_buffered(response)
-        finally:
-            await response.aclose()
-
-    async def _round_buffered(
-        self, response: UpstreamResponse
-    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        answer = await read_response_object(response, self.ctx.ledger)
-        parsed, items = answer.parsed, answer.items
-        self._round_charge = answer.charge  # released once the round's kept items are recorded
-        if self.stitcher is not None:  # a buffered answer to a streamed round: replay it as events
-            await self.stitcher.synthesize(parsed, items)
-        return parsed, items
-
-    async def _round_stream(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        acc = StreamAccumulator(self.ctx.ledger)
-        forward = self.stitcher.forward if self.stitcher is not None else None
-        await read_round(response, self.ctx.ledger, client=self.client, acc=acc, on_event=forward)
-        if acc.terminal is None:  # a terminal event without a response object
-            raise no_terminal_event()
-        # The terminal event's type is the round's status: a response.failed / .incomplete never
-        # runs tools, whatever its "status" field says (DESIGN.md §6).
-        status = TERMINAL_STATUS[acc.terminal_type or "response.completed"]
-        terminal, output = {**acc.terminal, "status": status}, acc.output()
-        self._round_acc = acc  # released once the round's kept items are recorded
-        return terminal, output
