@@ -358,33 +358,12 @@ def resolve(
     row = OUTCOMES[key]
     status = row.status
     code = row.code
-    param: str | None = None
-    headers: list[tuple[bytes, bytes]] = []
+    message, param = _message_of(exc, key)
     if isinstance(exc, Failure):
-        message, param = exc.message, exc.param
         code = code or exc.code
-    elif isinstance(exc, BudgetExceeded | PoolExhausted):
-        message = str(exc)
-        if isinstance(exc, PoolExhausted):
-            message = (
-                f"the worker's process budget (--max-inflight-retained-bytes) has no room for {exc.requested} "
-                f"more budget bytes for this request ({exc.phase}); retry later"
-            )
-    elif key == "store_unavailable":
-        message = f"the response store is unavailable: {exc}"
-    else:
-        message = "the gateway failed while serving this request"
-    if isinstance(exc, UpstreamStatus):
-        if key == "upstream_4xx":
-            status = exc.status
-        passed = (
-            _header(name, value)
-            for name, value in exc.passed_headers
-            if name in PASSED_HEADERS or name.startswith(PASSED_HEADER_PREFIXES)
-        )
-        headers = [header for header in passed if header is not None]
-    if isinstance(exc, MethodNotAllowed):
-        headers.append((b"allow", exc.allow.encode("ascii", "replace")))
+    headers = _passed_headers(exc)
+    if isinstance(exc, UpstreamStatus) and key == "upstream_4xx":
+        status = exc.status
     if isinstance(exc, ShieldHit):
         status = exc.answer.status
     if note:
@@ -404,6 +383,40 @@ def resolve(
         error=exc,
         after_tools=after_tools,
     )
+
+
+def _message_of(exc: BaseException, key: str) -> tuple[str, str | None]:
+    """The client-facing message and ``param`` of `exc` in row `key`: a `Failure`'s own, a
+    ledger refusal's (the process budget's says what to change), the store's, else a generic
+    sentence that reveals nothing of an unexpected exception."""
+    if isinstance(exc, Failure):
+        return exc.message, exc.param
+    if isinstance(exc, PoolExhausted):
+        return (
+            f"the worker's process budget (--max-inflight-retained-bytes) has no room for {exc.requested} "
+            f"more budget bytes for this request ({exc.phase}); retry later"
+        ), None
+    if isinstance(exc, BudgetExceeded):
+        return str(exc), None
+    if key == "store_unavailable":
+        return f"the response store is unavailable: {exc}", None
+    return "the gateway failed while serving this request", None
+
+
+def _passed_headers(exc: BaseException) -> list[tuple[bytes, bytes]]:
+    """The response headers of `exc`'s answer: an upstream status's passed-on headers
+    (`PASSED_HEADERS`, `PASSED_HEADER_PREFIXES`, visible ASCII only), a 405's ``allow``."""
+    headers: list[tuple[bytes, bytes]] = []
+    if isinstance(exc, UpstreamStatus):
+        passed = (
+            _header(name, value)
+            for name, value in exc.passed_headers
+            if name in PASSED_HEADERS or name.startswith(PASSED_HEADER_PREFIXES)
+        )
+        headers = [header for header in passed if header is not None]
+    if isinstance(exc, MethodNotAllowed):
+        headers.append((b"allow", exc.allow.encode("ascii", "replace")))
+    return headers
 
 
 def retryable(outcome: Outcome) -> bool:
