@@ -968,6 +968,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         bare_httpx, bare_aiohttp = proxy("httpx"), proxy("aiohttp")
         floor_h11 = floor()
         lw = gateway("loopwarden")
+        lw_idle = None
+        if args.mcp_idle_sessions is not None:
+            n_idle = str(args.mcp_idle_sessions)
+            lw_idle = gateway(f"loopwarden idle{n_idle} (MCP)", "--mcp-idle-sessions-per-server", n_idle)
         fast_servers: dict[str, Server] = {}
         if not args.no_fast:
             fast_servers = {
@@ -1019,6 +1023,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             (lw, "/healthz"),
             (lw_big, "/healthz"),
             *((server, "/healthz") for server in fast_servers.values()),
+            *([(lw_idle, "/healthz")] if lw_idle is not None else []),
         ]:
             await wait_ready(server, path)
         if lw_sqlite:
@@ -1148,6 +1153,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             Target("bare aiohttp (client loop)", bare_aiohttp),
             Target("loopwarden (MCP)", lw),
         ]
+        if lw_idle is not None:
+            loop_targets.append(Target(lw_idle.name, lw_idle))
         if fast_servers:
             loop_targets += [
                 Target("bare aiohttp fast (client loop)", fast_servers["bare aiohttp fast"]),
@@ -1228,7 +1235,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             litellm,
             portkey,
         ]
-        for server in [*stop, *fast_servers.values()]:
+        for server in [*stop, lw_idle, *fast_servers.values()]:
             if server is not None:
                 procs.stop(server)
         hold, n = plan.mem_hold, plan.mem_inflight
@@ -1623,6 +1630,12 @@ def main() -> None:
     )
     parser.add_argument("--no-portkey", action="store_true")
     parser.add_argument("--no-fast", action="store_true", help="no httptools + uvloop targets")
+    parser.add_argument(
+        "--mcp-idle-sessions",
+        type=int,
+        metavar="N",
+        help="also run the MCP loop through a gateway keeping N idle MCP sessions per server (default 4)",
+    )
     parser.add_argument("--seconds", type=float, help="seconds per burst (default 2, --quick 0.4)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the issue-21 table (Markdown) to FILE")
     parser.add_argument("--json", help="also write the figures to this file")
