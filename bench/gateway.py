@@ -1,7 +1,7 @@
 """Run loopwarden for the benchmarks: ``create_app(Settings(...))`` on uvicorn (a script, not a test).
 
 Usage: ``python bench/gateway.py --upstream URL --port PORT [--store memory|sqlite:///PATH]
-[--mcp-server tools=URL] [--max-retained-bytes N]``
+[--mcp-server tools=URL] [--max-retained-bytes N] [--mcp-idle-sessions-per-server N]``
 
 Default limits unless given; the same uvicorn configuration as the bare proxies
 (`proxy_bare.serve`: asyncio loop, no access log) so that only the app differs.
@@ -46,10 +46,13 @@ def main() -> None:
     parser.add_argument("--store", default="memory")
     parser.add_argument("--mcp-server", action="append", default=[])
     parser.add_argument("--max-retained-bytes", type=int, default=None)
+    parser.add_argument("--mcp-idle-sessions-per-server", type=int, default=None)
     args = parser.parse_args()
     extra = {}
     if args.max_retained_bytes is not None:
         extra["max_retained_bytes"] = args.max_retained_bytes
+    if args.mcp_idle_sessions_per_server is not None:
+        extra["mcp_idle_sessions_per_server"] = args.mcp_idle_sessions_per_server
     settings = Settings(upstream=args.upstream, store=args.store, mcp_server=tuple(args.mcp_server), **extra)
     print(f"gateway: serving middleware from {Path(middleware.__file__).resolve().parent.parent}", flush=True)
     serve(create_app(settings), args.port)

@@ -62,6 +62,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import peers
+import targets21
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -78,6 +80,9 @@ LOOKUP_FN = {
 COMPLETED = b"response.completed"
 ERROR_MARKERS = (b"event: error", b'"type":"error"', b'"type": "error"')
 REQUEST_TIMEOUT = 60.0
+#: The environment of a server on the default production stack, httptools + uvloop
+#: (`proxy_bare.STACKS`); every other ASGI server runs h11 + asyncio.
+FAST_ENV = {"LOOPWARDEN_BENCH_STACK": "fast"}
 
 
 # -- machine ------------------------------------------------------------------------------------
@@ -225,26 +230,58 @@ async def wait_ready(server: Server, path: str, timeout: float = 60.0) -> None:
 
 
 def find_litellm(explicit: str | None) -> str | None:
-    candidates = [
-        explicit,
-        os.environ.get("LITELLM_BIN"),
-        shutil.which("litellm"),
-        str(Path(PY).parent / "litellm"),
-        "/tmp/litellm-venv/bin/litellm",
-    ]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
+    return peers.find_litellm(explicit, PY)
+
+
+def start_portkey(
+    args: argparse.Namespace, procs: Processes, upstream: str, workdir: Path
+) -> tuple[Server | None, str]:
+    """Start the Portkey gateway on core 1 if it is installed (`peers.find_portkey`): ``(server or
+    None, a note for the report)``."""
+    if args.no_portkey:
+        return None, "not run (--no-portkey)"
+    script = peers.find_portkey(args.portkey)
+    if script is None:
+        return None, "not installed (see bench/peers.py)"
+    port = free_port()
+    argv, env = peers.portkey_command(script, port, workdir, upstream)
+    server = procs.start("portkey", argv, 1, f"http://127.0.0.1:{port}/v1", env=env)
+    return server, f"ran ({peers.portkey_version(script)}, unpatched)"
+
+
+async def probe_portkey(
+    procs: Processes, server: Server, note: str, upstream: str
+) -> tuple[Server | None, bool, str]:
+    """Wait for Portkey, then send one buffered and one streamed request through it: ``(server or
+    None, whether its streamed /v1/responses runs unpatched, the note)``. Streams are measured
+    only when they run; a failed buffered probe drops Portkey."""
+    try:
+        await wait_ready(server, "/", timeout=60)
+    except RuntimeError as exc:
+        procs.stop(server)
+        return None, False, f"did not start: {str(exc)[-300:]}"
+    client = Client(server.url + "/responses", 1)
+    headers = peers.portkey_headers(upstream)
+    try:
+        buffered = await one_request(client, request_body("small", False, False), headers, False)
+        streamed = await one_request(client, request_body("small", True, False), headers, True)
+    finally:
+        await client.close()
+    if not buffered.ok:
+        procs.stop(server)
+        return None, False, f"{note}; buffered /v1/responses failed: {buffered.error[:200]}"
+    if not streamed.ok:
+        return server, False, f"{note}; streamed /v1/responses does not run unpatched: {streamed.error[:160]}"
+    return server, True, note + "; streamed /v1/responses runs unpatched"
 
 
 def litellm_config(upstream: str, path: Path) -> None:
     lines = ["model_list:"]
-    for model in ("small", "text1mb", "tools3"):
+    for model in ("small", "text1mb", "tools3", "paced:0.001", "paced:0.00005"):
         lines += [
-            f"  - model_name: {model}",
+            f'  - model_name: "{model}"',
             "    litellm_params:",
-            f"      model: openai/{model}",
+            f'      model: "openai/{model}"',
             f"      api_base: {upstream}",
             "      api_key: sk-upstream",
         ]
@@ -851,6 +888,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if args.quick else FULL
     if args.reps:
         plan = dataclasses.replace(plan, reps=args.reps)
+    if args.seconds:
+        plan = dataclasses.replace(plan, seconds=args.seconds, loop_seconds=args.seconds)
     base_tree = Path(args.base_tree).resolve() if args.base_tree else None
     if base_tree is not None and not (base_tree / "middleware" / "__init__.py").is_file():
         raise SystemExit(f"--base-tree {base_tree}: no middleware package there")
@@ -886,10 +925,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         mcp_url = f"http://127.0.0.1:{mcp_port}/mcp"
 
-        def proxy(client: str) -> Server:
+        def proxy(client: str, fast: bool = False) -> Server:
             port = free_port()
             return procs.start(
-                f"bare {client}",
+                f"bare {client}" + (" fast" if fast else ""),
                 [
                     PY,
                     str(BENCH / "proxy_bare.py"),
@@ -902,7 +941,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 ],
                 1,
                 f"http://127.0.0.1:{port}/v1",
+                env=FAST_ENV if fast else None,
             )
+
+        def floor(fast: bool = False) -> Server:
+            port = free_port()
+            argv = [PY, str(BENCH / "proxy_floor.py"), "--upstream", upstream.url, "--port", str(port)]
+            name = "floor" + (" fast" if fast else "")
+            return procs.start(name, argv, 1, f"http://127.0.0.1:{port}/v1", env=FAST_ENV if fast else None)
 
         def gateway(name: str, *extra: str, env: dict[str, str] | None = None) -> Server:
             port = free_port()
@@ -920,7 +966,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             return procs.start(name, argv, 1, f"http://127.0.0.1:{port}/v1", env=env)
 
         bare_httpx, bare_aiohttp = proxy("httpx"), proxy("aiohttp")
+        floor_h11 = floor()
         lw = gateway("loopwarden")
+        lw_idle = None
+        if args.mcp_idle_sessions is not None:
+            n_idle = str(args.mcp_idle_sessions)
+            lw_idle = gateway(f"loopwarden idle{n_idle} (MCP)", "--mcp-idle-sessions-per-server", n_idle)
+        fast_servers: dict[str, Server] = {}
+        if not args.no_fast:
+            fast_servers = {
+                "bare aiohttp fast": proxy("aiohttp", fast=True),
+                "floor fast": floor(fast=True),
+                "loopwarden fast": gateway("loopwarden fast", env=FAST_ENV),
+            }
         lw_big = gateway("loopwarden 256MiB", "--max-retained-bytes", str(256 * MIB))
         trees = {lw.name: ROOT, lw_big.name: ROOT}
         lw_base = lw_base_big = None
@@ -955,13 +1013,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"http://127.0.0.1:{port}/v1",
                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"},
             )
+        portkey, portkey_note = start_portkey(args, procs, upstream.url, workdir)
         for server, path in [
             (upstream, "/healthz"),
             (mcp_srv, "/mcp"),
             (bare_httpx, "/healthz"),
             (bare_aiohttp, "/healthz"),
+            (floor_h11, "/healthz"),
             (lw, "/healthz"),
             (lw_big, "/healthz"),
+            *((server, "/healthz") for server in fast_servers.values()),
+            *([(lw_idle, "/healthz")] if lw_idle is not None else []),
         ]:
             await wait_ready(server, path)
         if lw_sqlite:
@@ -979,16 +1041,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 procs.stop(litellm)
                 litellm = None
         results["litellm"] = litellm_note
-        print(f"LiteLLM: {litellm_note}; servers up after {time.monotonic() - t_start:.1f} s", flush=True)
+        portkey_stream = False
+        if portkey is not None:
+            portkey, portkey_stream, portkey_note = await probe_portkey(
+                procs, portkey, portkey_note, upstream.url
+            )
+        results["portkey"] = portkey_note
+        results["peers"] = {"litellm": f"LiteLLM {litellm_note}", "portkey": f"Portkey {portkey_note}"}
+        print(f"LiteLLM: {litellm_note}", flush=True)
+        print(f"Portkey: {portkey_note}; servers up after {time.monotonic() - t_start:.1f} s", flush=True)
 
         auth = {"authorization": f"Bearer {MASTER_KEY}"}
         targets_default = [
             Target("direct", upstream),
             Target("bare httpx", bare_httpx),
             Target("bare aiohttp", bare_aiohttp),
+            Target("floor", floor_h11),
             Target("loopwarden", lw),
             Target("loopwarden store=memory", lw, store=None),
         ]
+        extra_targets = [Target(name, server) for name, server in fast_servers.items()]
         if lw_base is not None:  # each next to its counterpart
             targets_default[4:4] = [Target("loopwarden@base", lw_base)]
             targets_default.append(Target("loopwarden@base store=memory", lw_base, store=None))
@@ -996,7 +1068,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             targets_default.append(Target("loopwarden store=sqlite", lw_sqlite, store=None))
         if litellm:
             targets_default.append(Target("litellm", litellm, headers=auth))
-        targets_1mb = [t for t in targets_default if not t.name.startswith("loopwarden")]
+        targets_1mb = [t for t in targets_default if not t.name.startswith(("loopwarden", "floor"))]
+        targets_default += extra_targets
+        portkey_target = (
+            Target("portkey", portkey, headers=peers.portkey_headers(upstream.url)) if portkey else None
+        )
         targets_1mb[3:3] = [
             Target("loopwarden 256MiB", lw_big),
             Target("loopwarden 256MiB store=memory", lw_big, store=None),
@@ -1017,7 +1093,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         )
 
         for scenario in SCENARIOS:
-            targets = targets_1mb if scenario.name == "stream1mb" else targets_default
+            targets = targets_1mb if scenario.name == "stream1mb" else list(targets_default)
+            portkey_here = portkey_stream or not scenario.stream
+            if portkey_target is not None and portkey_here and scenario.name != "stream1mb":
+                targets.append(portkey_target)
             for conc in plan.slow_concurrencies if scenario.name == "stream1mb" else (1, 16):
                 if not wanted(args.only, scenario.name, conc):
                     continue
@@ -1074,6 +1153,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             Target("bare aiohttp (client loop)", bare_aiohttp),
             Target("loopwarden (MCP)", lw),
         ]
+        if lw_idle is not None:
+            loop_targets.append(Target(lw_idle.name, lw_idle))
+        if fast_servers:
+            loop_targets += [
+                Target("bare aiohttp fast (client loop)", fast_servers["bare aiohttp fast"]),
+                Target("loopwarden fast (MCP)", fast_servers["loopwarden fast"]),
+            ]
         if lw_base is not None:
             loop_targets.append(Target("loopwarden@base (MCP)", lw_base))
         for stream in (False, True):
@@ -1137,7 +1223,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
 
         # memory: peak RSS per in-flight maximum-size request against its ledger charge
-        for server in [bare_httpx, bare_aiohttp, lw, lw_big, lw_sqlite, lw_base, lw_base_big, litellm]:
+        stop = [
+            bare_httpx,
+            bare_aiohttp,
+            floor_h11,
+            lw,
+            lw_big,
+            lw_sqlite,
+            lw_base,
+            lw_base_big,
+            litellm,
+            portkey,
+        ]
+        for server in [*stop, lw_idle, *fast_servers.values()]:
             if server is not None:
                 procs.stop(server)
         hold, n = plan.mem_hold, plan.mem_inflight
@@ -1474,6 +1572,8 @@ def report(results: dict[str, Any]) -> None:
                 f"  {name:<31} {scenario:<9} c=1  TTFE p50 <= 1.2 x bare aiohttp:  {ratio(a, b):>6}  {verdict}"
             )
     compare_report(results)
+    print(f"\nPortkey: {results.get('portkey', '-')}")
+    targets21.print_rows(targets21.rows(results))
     print(f"\ntotal run time {results['elapsed']:.0f} s")
 
 
@@ -1509,6 +1609,8 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
                 )
     out["memory"] = [dataclasses.asdict(m) for m in results["memory"]]
     out["compare"] = comparisons(results)
+    out["portkey"] = results.get("portkey")
+    out["issue21"] = [dataclasses.asdict(r) for r in targets21.rows(results)]
     return out
 
 
@@ -1521,6 +1623,21 @@ def main() -> None:
         "the venv, /tmp/litellm-venv/bin/litellm)",
     )
     parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument(
+        "--portkey",
+        metavar="DIR",
+        help="npm prefix holding @portkey-ai/gateway (default: $PORTKEY_DIR, /tmp/portkey-gw)",
+    )
+    parser.add_argument("--no-portkey", action="store_true")
+    parser.add_argument("--no-fast", action="store_true", help="no httptools + uvloop targets")
+    parser.add_argument(
+        "--mcp-idle-sessions",
+        type=int,
+        metavar="N",
+        help="also run the MCP loop through a gateway keeping N idle MCP sessions per server (default 4)",
+    )
+    parser.add_argument("--seconds", type=float, help="seconds per burst (default 2, --quick 0.4)")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the issue-21 table (Markdown) to FILE")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument(
         "--base-tree",
@@ -1540,6 +1657,8 @@ def main() -> None:
     report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(summary(results), indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(targets21.markdown(targets21.rows(results)) + "\n")
 
 
 if __name__ == "__main__":
