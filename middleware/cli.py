@@ -4,242 +4,53 @@
 recommends limits from a Prometheus that scrapes the gateway (`middleware.ops.capacity`).
 
 Every ``serve`` flag has a ``LOOPWARDEN_<NAME>`` environment variable and a config-file key of the
-same name; flags win over the environment, which wins over the file (DESIGN.md §3). An invalid
+same name; flags win over the environment, which wins over the file (DESIGN.md §3). The flags are
+generated from the settings' field metadata (`add_setting_flags`, `middleware.config`). An invalid
 value exits with status 2 and a message naming the field, the range and the value.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import uvicorn
 
-from middleware.config import Settings, SettingsError, load_settings
+from middleware.config import FIELDS, FlatSetting, Settings, SettingsError, default_text, load_settings
 from middleware.ops.admission import install_drain_hook
 from middleware.ops.connections import connection_options, fd_overcommit, resolve_max_connections
 from middleware.ops.request_id import log_config
 
 
+def add_setting_flags(parser: argparse.ArgumentParser, specs: Mapping[str, FlatSetting] = FIELDS) -> None:
+    """One flag per setting of `specs` that has one (`Spec.flag`), generated from the field
+    metadata: ``--upstream-read-timeout`` with ``type=float`` and the help "… (default 600 s)";
+    repeatable (``action="append"``) for a list. Unset flags parse as None (``argument_default``)."""
+    for entry in specs.values():
+        if not entry.spec.flag:
+            continue
+        default = default_text(entry, markdown=False)
+        shown = "" if default == "—" else f"default {default}; "
+        help = f"{entry.spec.help} ({shown}${entry.env})"
+        kwargs: dict[str, Any] = {"help": help.replace("%", "%%"), "dest": entry.name}
+        if entry.spec.choices:
+            kwargs["metavar"] = "{" + ",".join(entry.spec.choices) + "}"
+        if entry.type == "tuple[str, ...]":
+            kwargs["action"] = "append"
+        elif entry.type in ("int", "float"):
+            kwargs["type"] = int if entry.type == "int" else float
+        parser.add_argument(entry.flag, **kwargs)
+
+
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="serve the gateway", argument_default=None)
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8080)")
-    p.add_argument(
-        "--upstream",
-        help="base URL of a Responses-compatible server, e.g. http://127.0.0.1:8000/v1 "
-        "(default: start the embedded development model)",
-    )
-    p.add_argument(
-        "--upstream-api-key", help="bearer token sent upstream (prefer $LOOPWARDEN_UPSTREAM_API_KEY)"
-    )
-    p.add_argument("--upstream-connect-timeout", type=float, help="seconds to connect upstream (default 10)")
-    p.add_argument(
-        "--upstream-read-timeout",
-        type=float,
-        help="seconds allowed for the first byte and between any two reads (default 600)",
-    )
-    p.add_argument("--upstream-deadline", type=float, help="seconds for a whole upstream call (default 1800)")
-    p.add_argument("--upstream-max-connections", type=int, help="pooled upstream connections (default 100)")
-    p.add_argument("--upstream-client", help="upstream HTTP client: aiohttp (default) or httpx")
-    p.add_argument("--max-infer-iters", type=int, help="inference calls per request, 1..=100 (default 10)")
-    p.add_argument(
-        "--max-retained-bytes",
-        type=int,
-        help="retained-bytes budget per request, 4096..=268435456 (default 67108864)",
-    )
-    p.add_argument(
-        "--charge-model",
-        help="ledger prices: measured (default; what CPython really retains) or reference (DESIGN.md §4 numbers)",
-    )
-    p.add_argument("--client-body-timeout", type=float, help="seconds to receive a request body (default 30)")
-    p.add_argument(
-        "--client-write-timeout",
-        type=float,
-        help="seconds one write to the client may make no progress before the request ends as a "
-        "disconnect (default 30)",
-    )
-    p.add_argument(
-        "--keepalive-interval", type=float, help="seconds between SSE keep-alive comments (default 15)"
-    )
-    p.add_argument("--workers", type=int, help="worker processes (default 1)")
-    p.add_argument("--http", help="uvicorn's HTTP/1.1 stack: httptools (default) or h11")
-    p.add_argument("--loop", help="uvicorn's event loop: uvloop (default) or asyncio")
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        help="seconds a connection has to send a complete request head, else it is closed (default 10)",
-    )
-    p.add_argument(
-        "--keepalive-timeout",
-        type=float,
-        help="seconds an idle keep-alive connection stays open after a response (uvicorn's "
-        "timeout_keep_alive; default 5); not --keepalive-interval, the SSE comment interval",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        help="open client connections per worker; more are closed at accept (default 0: the "
-        "file-descriptor limit minus room for the upstream pools and 64 more)",
-    )
-    p.add_argument(
-        "--backlog",
-        type=int,
-        help="listen queue, and sockets accepted per wake-up (uvicorn's backlog; default 0: "
-        "min(2048, the file-descriptor limit // 8))",
-    )
-    p.add_argument(
-        "--max-header-bytes",
-        type=int,
-        help="bytes of one request head, 1024..=1048576; over it: 431 (default 65536)",
-    )
-    p.add_argument(
-        "--max-inflight-retained-bytes",
-        type=int,
-        help="budget bytes all requests of one worker may hold together (default 0: a quarter of "
-        "the memory limit / workers)",
-    )
-    p.add_argument(
-        "--max-concurrent-requests", type=int, help="requests in flight per worker (default 0: no cap)"
-    )
-    p.add_argument(
-        "--max-inflight-share-per-caller",
-        type=float,
-        help="share of the worker's pool one caller (API key, or client address when open) may hold, "
-        "in (0, 1] (default 0.5)",
-    )
-    p.add_argument(
-        "--retry-after", type=float, help="Retry-After seconds on a 503 overload refusal (default 1)"
-    )
-    p.add_argument(
-        "--retry-shield-seconds",
-        type=float,
-        help="seconds a deterministic failure is answered again at once to the same caller's identical "
-        "request, without an upstream call (per worker; default 30; 0: off)",
-    )
-    p.add_argument(
-        "--retry-shield-max-entries",
-        type=int,
-        help="failures the retry shield remembers per worker (default 4096)",
-    )
-    p.add_argument(
-        "--retry-shield-max-bytes",
-        type=int,
-        help="budget bytes the retry shield may hold per worker, drawn from its pool (default 16777216)",
-    )
-    p.add_argument(
-        "--memory-pressure-threshold",
-        type=float,
-        help="shed new requests above this used/allowed memory ratio (default 0.9)",
-    )
-    p.add_argument(
-        "--request-deadline", type=float, help="seconds for a whole request, all rounds (default 1800)"
-    )
-    p.add_argument(
-        "--websocket-max-lifetime",
-        type=float,
-        help="seconds a WebSocket connection at /v1/responses may live (default 3600, the spec's 60 "
-        "minutes; then websocket_connection_limit_reached and close 1001)",
-    )
-    p.add_argument(
-        "--websocket-idle-timeout",
-        type=float,
-        help="seconds a WebSocket connection may wait for its next message between turns (default 300; "
-        "then close 1001)",
-    )
-    p.add_argument(
-        "--drain-timeout", type=float, help="seconds in-flight requests get after SIGTERM (default 30)"
-    )
-    p.add_argument(
-        "--background-lease-seconds",
-        type=float,
-        help="seconds a background response's worker may go silent before another marks it failed (default 30)",
-    )
-    p.add_argument(
-        "--background-event-log-bytes",
-        type=int,
-        help="bytes of SSE events a streamed background response keeps for resuming, oldest dropped "
-        "first, charged to its ledger (default 8388608; 0: no resume)",
-    )
-    p.add_argument(
-        "--background-event-log-retention",
-        type=float,
-        help="seconds a background response's event log is kept after it ends (default 600)",
-    )
-    p.add_argument(
-        "--mcp-server",
-        action="append",
-        help="an operator MCP server, LABEL=URL (streamable HTTP); repeatable. Requests use it with "
-        '{"type":"mcp","server_label":"LABEL"}',
-    )
-    p.add_argument(
-        "--mcp-allow",
-        action="append",
-        help="URL prefix a client-declared MCP server_url must match; repeatable (default: none allowed)",
-    )
-    p.add_argument(
-        "--mcp-list-ttl", type=float, help="seconds a server's tools/list is cached (default 300; 0: never)"
-    )
-    p.add_argument(
-        "--mcp-list-cache-bytes",
-        type=int,
-        help="bytes all cached tools/list results may keep alive, LRU-evicted (default 16777216; 0: never cache)",
-    )
-    p.add_argument(
-        "--mcp-session-idle-timeout",
-        type=float,
-        help="seconds an unused pooled MCP session stays open (default 60)",
-    )
-    p.add_argument(
-        "--mcp-idle-sessions-per-server",
-        type=int,
-        help="idle MCP sessions kept per server, headers and caller (default 4; 0: no reuse)",
-    )
-    p.add_argument("--tool-timeout", type=float, help="seconds one gateway tool call may take (default 60)")
-    p.add_argument(
-        "--tool-concurrency", type=int, help="gateway tool calls in flight per request (default 5)"
-    )
-    p.add_argument(
-        "--tool-max-result-bytes", type=int, help="per-call tool result cap in bytes (default 262144)"
-    )
-    p.add_argument("--log-level", help="critical, error, warning, info or debug (default info)")
-    p.add_argument(
-        "--log-format", help="text or json (one JSON object per line); every line has the request id"
-    )
-    p.add_argument(
-        "--store",
-        help="where responses are stored: sqlite:///PATH (default sqlite:///./.loopwarden/loopwarden.db), "
-        "postgresql://USER@HOST/DB, or memory",
-    )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        help="a gateway API key clients must present; repeatable (prefer --api-key-file or $LOOPWARDEN_API_KEY)",
-    )
-    p.add_argument(
-        "--upstream-compact",
-        help="who answers POST /v1/responses/compact: auto (default: the upstream's own "
-        "/responses/compact, else the gateway on 404/405), upstream or gateway",
-    )
-    p.add_argument(
-        "--compact-max-output-tokens",
-        type=int,
-        help="the gateway's compaction summary cap, 1..=131072 (default 4096)",
-    )
-    p.add_argument(
-        "--compact-secret-file",
-        help="file whose first line is the key that signs compaction items (shared by every host; "
-        "default: a random key per process, shared by --workers; or $LOOPWARDEN_COMPACT_SECRET)",
-    )
-    p.add_argument("--api-key-file", help="file with gateway API keys, one per line")
-    p.add_argument("--config", help="YAML or TOML file with settings (flags override it)")
+    add_setting_flags(p)
 
 
 def shared_compact_secret(settings: Settings) -> Settings:
@@ -249,7 +60,7 @@ def shared_compact_secret(settings: Settings) -> Settings:
     `Settings.compact_key`."""
     if settings.compact_key() is not None:
         return settings
-    return dataclasses.replace(settings, compact_secret=secrets.token_hex(32))
+    return settings.replace(compact_secret=secrets.token_hex(32))
 
 
 def _multiprocess_metrics_dir() -> None:
@@ -324,8 +135,9 @@ def _capacity(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``loopwarden`` console script; returns the exit status."""
+def _parser() -> argparse.ArgumentParser:
+    """The ``loopwarden`` parser: ``serve`` (flags generated from the settings), ``devmodel``
+    and ``capacity``."""
     parser = argparse.ArgumentParser(
         prog="loopwarden", description=__doc__.splitlines()[0] if __doc__ else None
     )
@@ -347,8 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-retained-bytes", type=int, help="the limit in force (default: inferred, else 64 MiB)"
     )
     cap.add_argument("--tool-timeout", type=float, default=60.0, help="the tool timeout in force, seconds")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``loopwarden`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
     if args.command == "capacity":
         return _capacity(args)
 
@@ -357,8 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         uvicorn.run(create_devmodel_app(), host=args.host, port=args.port, log_level="info")
         return 0
+    return _serve({k: v for k, v in vars(args).items() if k != "command"})
 
-    flags = {k: v for k, v in vars(args).items() if k != "command"}
+
+def _serve(flags: dict[str, Any]) -> int:
+    """``loopwarden serve`` with the parsed `flags`: resolve and check the settings (exit 2 when
+    invalid), warn about risky ones, then run uvicorn (one process or ``--workers``)."""
     try:
         settings = load_settings(flags, os.environ)
     except SettingsError as exc:
