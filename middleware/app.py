@@ -157,14 +157,14 @@ async def metrics_endpoint(request: Request) -> Response:
 def default_upstream(settings: Settings, base_url: str) -> UpstreamClient:
     """The production upstream client configured from `settings`: `AiohttpUpstream` (default) or
     `HttpxUpstream` (``upstream_client: httpx``)."""
-    client = AiohttpUpstream if settings.upstream_client == "aiohttp" else HttpxUpstream
+    client = AiohttpUpstream if settings.upstream.client == "aiohttp" else HttpxUpstream
     return client(
         base_url,
-        api_key=settings.upstream_api_key,
-        connect_timeout=settings.upstream_connect_timeout,
-        read_timeout=settings.upstream_read_timeout,
-        deadline=settings.upstream_deadline,
-        max_connections=settings.upstream_max_connections,
+        api_key=settings.upstream.api_key,
+        connect_timeout=settings.upstream.connect_timeout,
+        read_timeout=settings.upstream.read_timeout,
+        deadline=settings.upstream.deadline,
+        max_connections=settings.upstream.max_connections,
     )
 
 
@@ -172,7 +172,7 @@ def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
     """The process's MCP `ToolCatalog`: ``--mcp-server LABEL=URL`` entries, the ``--mcp-allow``
     prefixes, and (``demo``) the in-process demo server under the label ``demo``."""
     servers = []
-    for entry in settings.mcp_server:
+    for entry in settings.tools.mcp_server:
         label, _, url = entry.partition("=")
         servers.append(McpServerConfig(label=label, url=url))
     if demo and not any(server.label == "demo" for server in servers):
@@ -181,13 +181,13 @@ def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
         servers.append(McpServerConfig(label="demo", app=create_demo_server()))
     return ToolCatalog(
         servers,
-        allow_prefixes=settings.mcp_allow,
-        list_ttl=settings.mcp_list_ttl,
-        list_cache_bytes=settings.mcp_list_cache_bytes,
-        connect_timeout=settings.upstream_connect_timeout,
+        allow_prefixes=settings.tools.mcp_allow,
+        list_ttl=settings.tools.mcp_list_ttl,
+        list_cache_bytes=settings.tools.mcp_list_cache_bytes,
+        connect_timeout=settings.upstream.connect_timeout,
         pool_limits=PoolLimits(
-            idle_timeout=settings.mcp_session_idle_timeout,
-            max_idle_per_server=settings.mcp_idle_sessions_per_server,
+            idle_timeout=settings.tools.mcp_session_idle_timeout,
+            max_idle_per_server=settings.tools.mcp_idle_sessions_per_server,
         ),
     )
 
@@ -197,7 +197,7 @@ def register_secrets(settings: Settings, keys: list[str], compact_key: bytes | N
     and the compaction key) with `middleware.ops.redact`, so that no log line or error message
     carries one."""
     routed = (r.upstream_api_key for r in settings.model_routes)
-    for secret in (settings.upstream_api_key, *keys, *routed, compact_key.decode() if compact_key else None):
+    for secret in (settings.upstream.api_key, *keys, *routed, compact_key.decode() if compact_key else None):
         register_secret(secret)
 
 
@@ -206,13 +206,13 @@ def build_pool(settings: Settings, pressure_source: Callable[[], float]) -> Proc
     `default_pool_bytes`); logs a warning when one caller's share is under ``max_retained_bytes``,
     so that a request without Content-Length would always be refused (413)."""
     pool = ProcessPool(
-        settings.max_inflight_retained_bytes or default_pool_bytes(settings.workers),
-        max_requests=settings.max_concurrent_requests,
-        max_share_per_caller=settings.max_inflight_share_per_caller,
+        settings.admission.max_inflight_retained_bytes or default_pool_bytes(settings.transport.workers),
+        max_requests=settings.admission.max_concurrent_requests,
+        max_share_per_caller=settings.admission.max_inflight_share_per_caller,
         pressure=pressure_source,
-        pressure_threshold=settings.memory_pressure_threshold,
+        pressure_threshold=settings.admission.memory_pressure_threshold,
     )
-    if pool.caller_cap < settings.max_retained_bytes <= pool.budget:
+    if pool.caller_cap < settings.loop.max_retained_bytes <= pool.budget:
         log.warning(
             "one caller's share of the pool (%d budget bytes: --max-inflight-share-per-caller=%g of %d) is "
             "under max_retained_bytes=%d: a request without Content-Length reserves max_retained_bytes and "
@@ -220,15 +220,15 @@ def build_pool(settings: Settings, pressure_source: Callable[[], float]) -> Proc
             pool.caller_cap,
             pool.share,
             pool.budget,
-            settings.max_retained_bytes,
+            settings.loop.max_retained_bytes,
         )
     return pool
 
 
 def log_charge_model(settings: Settings) -> None:
     """Log the charge model and the two clamps it gives ``max_retained_bytes`` (bytes)."""
-    model = ChargeModel.named(settings.charge_model)
-    limit = settings.max_retained_bytes
+    model = ChargeModel.named(settings.loop.charge_model)
+    limit = settings.loop.max_retained_bytes
     log.info(
         "charge model %s: raw body clamp %d bytes, buffered upstream clamp %d bytes (max_retained_bytes=%d)",
         model.name,
@@ -281,7 +281,7 @@ def open_upstreams(
             if getattr(route, field) is not None
         }
         if route.upstream is not None or overrides:
-            routed = dataclasses.replace(settings, **overrides)
+            routed = settings.replace(**overrides)
             state.upstreams[route.name] = factory(routed, route.upstream or base_url)
 
 
@@ -313,12 +313,12 @@ def gateway_lifespan(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         devmodel: BackgroundServer | None = None
         log_charge_model(settings)
-        base_url = settings.upstream
+        base_url = settings.upstream.url
         if base_url is None:
             devmodel, base_url = await start_devmodel()
         open_upstreams(state, base_url, upstream_factory)
         state.catalog = build_catalog(settings, demo=devmodel is not None)
-        state.store = open_store(settings.store)
+        state.store = open_store(settings.store.url)
         await state.store.open()
         metrics.publish_resident_memory(baseline=True)  # before any request: the gateway's own RSS
         freeze_startup_objects()
@@ -351,15 +351,15 @@ class GatewayParts:
         return BudgetMiddleware(
             app,
             limits=settings.limits,
-            client_body_timeout=settings.client_body_timeout,
+            client_body_timeout=settings.transport.client_body_timeout,
             authenticator=self.authenticator,
             router=self.router,
             pool=self.pool,
-            request_deadline=settings.request_deadline,
-            retry_after=settings.retry_after,
-            keepalive_interval=settings.keepalive_interval,
-            client_write_timeout=settings.client_write_timeout,
-            charge_model=ChargeModel.named(settings.charge_model),
+            request_deadline=settings.loop.request_deadline,
+            retry_after=settings.admission.retry_after,
+            keepalive_interval=settings.transport.keepalive_interval,
+            client_write_timeout=settings.transport.client_write_timeout,
+            charge_model=ChargeModel.named(settings.loop.charge_model),
             **body,
         )
 
@@ -370,12 +370,12 @@ class GatewayParts:
             limits=settings.limits,
             authenticator=self.authenticator,
             pool=self.pool,
-            charge_model=ChargeModel.named(settings.charge_model),
-            max_lifetime=settings.websocket_max_lifetime,
-            idle_timeout=settings.websocket_idle_timeout,
-            write_timeout=settings.client_write_timeout,
-            keepalive_interval=settings.keepalive_interval,
-            retry_after=settings.retry_after,
+            charge_model=ChargeModel.named(settings.loop.charge_model),
+            max_lifetime=settings.websocket.max_lifetime,
+            idle_timeout=settings.websocket.idle_timeout,
+            write_timeout=settings.transport.client_write_timeout,
+            keepalive_interval=settings.transport.keepalive_interval,
+            retry_after=settings.admission.retry_after,
         )
         return WebSocketResponses(responses, config)
 
@@ -385,10 +385,10 @@ class GatewayParts:
         return StoreReads(
             limits=settings.limits,
             pool=self.pool,
-            retry_after=settings.retry_after,
-            model=ChargeModel.named(settings.charge_model),
+            retry_after=settings.admission.retry_after,
+            model=ChargeModel.named(settings.loop.charge_model),
             caller_of=self.authenticator.caller,
-            client_body_timeout=settings.client_body_timeout,
+            client_body_timeout=settings.transport.client_body_timeout,
         )
 
     def get_store(self) -> Store:
@@ -436,9 +436,9 @@ def build_routes(parts: GatewayParts, background: BackgroundTasks) -> list[Any]:
     refusals, the store routes, health, readiness, models and metrics."""
     settings = parts.settings
     shield = RetryShield(
-        seconds=settings.retry_shield_seconds,
-        max_entries=settings.retry_shield_max_entries,
-        max_bytes=settings.retry_shield_max_bytes,
+        seconds=settings.shield.seconds,
+        max_entries=settings.shield.max_entries,
+        max_bytes=settings.shield.max_bytes,
         pool=parts.pool,
     )
     responses = parts.guarded(background.app, background=background, shield=shield)
@@ -500,5 +500,5 @@ def create_app(
 def create_app_from_env() -> Starlette:
     """Factory for uvicorn workers: the settings come from the environment (`Settings.to_env`)."""
     settings = Settings.from_env_json()
-    install_drain_hook(settings.drain_timeout)
+    install_drain_hook(settings.transport.drain_timeout)
     return create_app(settings)

@@ -81,22 +81,26 @@ def uvicorn_options(settings: Settings, nofile: int | None = None) -> dict[str, 
     derive ``max_connections`` from, None: this process's). Raises SettingsError when the
     derived ``max_connections`` is too small."""
     return {
-        "host": settings.host,
-        "port": settings.port,
-        "log_level": settings.log_level,
-        "log_config": log_config(settings.log_level, json_lines=settings.log_format == "json"),
+        "host": settings.transport.host,
+        "port": settings.transport.port,
+        "log_level": settings.logging.level,
+        "log_config": log_config(settings.logging.level, json_lines=settings.logging.format == "json"),
         # uvicorn's own cut-off comes after ours, so drained requests get their error frame first
-        "timeout_graceful_shutdown": settings.drain_timeout + 5,
-        "loop": settings.loop,
+        "timeout_graceful_shutdown": settings.transport.drain_timeout + 5,
+        "loop": settings.transport.loop,
         **connection_options(settings, nofile),
     }
 
 
 def _warn_per_worker_store(settings: Settings) -> None:
     """With ``--workers`` > 1 an in-memory store is one store per worker: say so at start-up."""
-    if settings.workers > 1 and settings.store in ("memory", "sqlite://:memory:", "sqlite:///:memory:"):
+    if settings.transport.workers > 1 and settings.store.url in (
+        "memory",
+        "sqlite://:memory:",
+        "sqlite:///:memory:",
+    ):
         print(
-            f"loopwarden: WARNING: --workers {settings.workers} with --store {settings.store}: each worker has "
+            f"loopwarden: WARNING: --workers {settings.transport.workers} with --store {settings.store.url}: each worker has "
             "its own in-memory store, so previous_response_id and conversations only find what the same "
             "worker stored (a load balancer spreads them); use --store sqlite:///PATH or postgresql://...",
             file=sys.stderr,
@@ -198,10 +202,10 @@ def _serve(flags: dict[str, Any]) -> int:
             file=sys.stderr,
         )
     print(
-        f"loopwarden: starting on http://{settings.host}:{settings.port} "
-        f"(upstream: {settings.upstream or 'embedded development model'}, "
-        f"max_infer_iters={settings.max_infer_iters}, max_retained_bytes={settings.max_retained_bytes}, "
-        f"http={settings.http}, loop={settings.loop}, max_connections={resolve_max_connections(settings)} per worker)",
+        f"loopwarden: starting on http://{settings.transport.host}:{settings.transport.port} "
+        f"(upstream: {settings.upstream.url or 'embedded development model'}, "
+        f"max_infer_iters={settings.loop.max_infer_iters}, max_retained_bytes={settings.loop.max_retained_bytes}, "
+        f"http={settings.transport.http}, loop={settings.transport.loop}, max_connections={resolve_max_connections(settings)} per worker)",
         file=sys.stderr,
         flush=True,
     )
@@ -212,15 +216,17 @@ def _serve(flags: dict[str, Any]) -> int:
             "file descriptors more than ulimit -n allows: raise it or lower them (0 derives both)",
             file=sys.stderr,
         )
-    install_drain_hook(settings.drain_timeout)
-    if settings.workers == 1:
+    install_drain_hook(settings.transport.drain_timeout)
+    if settings.transport.workers == 1:
         from middleware.app import create_app
 
         uvicorn.run(create_app(settings), **common)
     else:
         os.environ.update(shared_compact_secret(settings).to_env())
         _multiprocess_metrics_dir()
-        uvicorn.run("middleware.app:create_app_from_env", factory=True, workers=settings.workers, **common)
+        uvicorn.run(
+            "middleware.app:create_app_from_env", factory=True, workers=settings.transport.workers, **common
+        )
     return 0
 
 

@@ -123,16 +123,16 @@ def test_a_share_outside_0_1_is_refused(share: float) -> None:
 
 
 def test_the_share_setting_from_flag_env_and_file(tmp_path: Path) -> None:
-    assert load_settings({}, {}).max_inflight_share_per_caller == 0.5
+    assert load_settings({}, {}).admission.max_inflight_share_per_caller == 0.5
     cfg = tmp_path / "lw.yaml"
     cfg.write_text("max-inflight-share-per-caller: 0.25\n")
-    assert load_settings({"config": str(cfg)}, {}).max_inflight_share_per_caller == 0.25
+    assert load_settings({"config": str(cfg)}, {}).admission.max_inflight_share_per_caller == 0.25
     env = {"LOOPWARDEN_MAX_INFLIGHT_SHARE_PER_CALLER": "0.75"}
-    assert load_settings({"config": str(cfg)}, env).max_inflight_share_per_caller == 0.75
+    assert load_settings({"config": str(cfg)}, env).admission.max_inflight_share_per_caller == 0.75
     assert (
         load_settings(
             {"config": str(cfg), "max_inflight_share_per_caller": 1.0}, env
-        ).max_inflight_share_per_caller
+        ).admission.max_inflight_share_per_caller
         == 1.0
     )
 

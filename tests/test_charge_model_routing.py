@@ -104,7 +104,7 @@ def test_a_body_over_the_most_permissive_clamp_is_refused_before_it_is_read() ->
 
 
 def test_the_setting_is_measured_by_default_and_validated() -> None:
-    assert Settings().charge_model == "measured"
-    assert Settings(charge_model="reference").charge_model == "reference"
+    assert Settings().loop.charge_model == "measured"
+    assert Settings(charge_model="reference").loop.charge_model == "reference"
     with pytest.raises(ValueError, match="charge_model must be measured or reference"):
         Settings(charge_model="cpython")

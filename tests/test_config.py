@@ -17,9 +17,9 @@ from middleware.config import Settings, SettingsError, load_settings
 
 def test_defaults() -> None:
     s = load_settings({}, {})
-    assert (s.host, s.port, s.upstream) == ("127.0.0.1", 8080, None)
-    assert (s.max_infer_iters, s.max_retained_bytes) == (10, 67_108_864)
-    assert (s.upstream_connect_timeout, s.upstream_read_timeout, s.upstream_deadline) == (10.0, 600.0, 1800.0)
+    assert (s.transport.host, s.transport.port, s.upstream.url) == ("127.0.0.1", 8080, None)
+    assert (s.loop.max_infer_iters, s.loop.max_retained_bytes) == (10, 67_108_864)
+    assert (s.upstream.connect_timeout, s.upstream.read_timeout, s.upstream.deadline) == (10.0, 600.0, 1800.0)
 
 
 def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
@@ -27,17 +27,17 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     cfg.write_text("port: 9001\nmax-infer-iters: 4\nmax_retained_bytes: 100000\nupstream: http://file/v1\n")
     env = {"LOOPWARDEN_PORT": "9002", "LOOPWARDEN_MAX_INFER_ITERS": "5"}
     s = load_settings({"config": str(cfg), "port": 9003}, env)
-    assert s.port == 9003  # flag
-    assert s.max_infer_iters == 5  # env over file
-    assert s.max_retained_bytes == 100_000  # file over default
-    assert s.upstream == "http://file/v1"
+    assert s.transport.port == 9003  # flag
+    assert s.loop.max_infer_iters == 5  # env over file
+    assert s.loop.max_retained_bytes == 100_000  # file over default
+    assert s.upstream.url == "http://file/v1"
 
 
 def test_toml_config(tmp_path: Path) -> None:
     cfg = tmp_path / "lw.toml"
     cfg.write_text('upstream = "http://127.0.0.1:8000/v1"\nmax_retained_bytes = 4096\n')
     s = load_settings({"config": str(cfg)}, {})
-    assert (s.upstream, s.max_retained_bytes) == ("http://127.0.0.1:8000/v1", 4096)
+    assert (s.upstream.url, s.loop.max_retained_bytes) == ("http://127.0.0.1:8000/v1", 4096)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import inspect
 import os
 import pickle
@@ -309,7 +308,7 @@ def test_well_behaved_traffic_is_untouched_a_slow_body_is_not_a_slow_head(stack:
         upstream.push(Reply.sse([*PRE(), DONE(2, [message_item("streamed")])]))
         before = MetricDelta()
         settings = settings_for(stack)
-        app = create_app(dataclasses.replace(settings, upstream=upstream.base_url))
+        app = create_app(settings.replace(upstream=upstream.base_url))
         with serve_asgi(app, **connection_options(settings)) as url:
             port = int(url.rsplit(":", 1)[1])
             sock = connect(port)
@@ -569,16 +568,22 @@ def test_the_guard_is_called_from_the_uvicorn_hooks(stack: str, monkeypatch: pyt
 
 def test_defaults_and_sources() -> None:
     s = Settings()
-    assert (s.http, s.loop) == ("httptools", "uvloop")  # uvicorn[standard]
+    assert (s.transport.http, s.transport.loop) == ("httptools", "uvloop")  # uvicorn[standard]
     assert uvicorn_options(s)["loop"] == "uvloop"
-    assert (s.http, s.header_timeout, s.keepalive_timeout, s.max_connections, s.max_header_bytes) == (
+    assert (
+        s.transport.http,
+        s.transport.header_timeout,
+        s.transport.keepalive_timeout,
+        s.transport.max_connections,
+        s.transport.max_header_bytes,
+    ) == (
         "httptools",
         10.0,
         5.0,
         0,
         65_536,
     )
-    assert s.backlog == 0
+    assert s.transport.backlog == 0
     env = {
         "LOOPWARDEN_HEADER_TIMEOUT": "3",
         "LOOPWARDEN_MAX_CONNECTIONS": "500",
@@ -586,8 +591,14 @@ def test_defaults_and_sources() -> None:
         "LOOPWARDEN_LOOP": "asyncio",
     }
     s = load_settings({"keepalive_timeout": 2.5, "max_header_bytes": 8192}, env)
-    assert s.loop == "asyncio"
-    assert (s.http, s.header_timeout, s.keepalive_timeout, s.max_connections, s.max_header_bytes) == (
+    assert s.transport.loop == "asyncio"
+    assert (
+        s.transport.http,
+        s.transport.header_timeout,
+        s.transport.keepalive_timeout,
+        s.transport.max_connections,
+        s.transport.max_header_bytes,
+    ) == (
         "h11",
         3.0,
         2.5,
@@ -600,7 +611,12 @@ def test_config_file_keys(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("header-timeout: 4\nkeepalive_timeout: 1\nmax-connections: 64\nhttp: httptools\n")
     s = load_settings({"config": str(path)}, {})
-    assert (s.header_timeout, s.keepalive_timeout, s.max_connections, s.http) == (4.0, 1.0, 64, "httptools")
+    assert (
+        s.transport.header_timeout,
+        s.transport.keepalive_timeout,
+        s.transport.max_connections,
+        s.transport.http,
+    ) == (4.0, 1.0, 64, "httptools")
 
 
 @pytest.mark.parametrize(

@@ -611,7 +611,7 @@ def test_a_listing_over_the_requests_budget_is_a_502_and_is_not_cached(
 
 def test_ttl_0_is_accepted_and_never_caches(tools_http: tuple[str, Recorder]) -> None:
     url, recorder = tools_http
-    assert load_settings({}, {"LOOPWARDEN_MCP_LIST_TTL": "0"}).mcp_list_ttl == 0.0
+    assert load_settings({}, {"LOOPWARDEN_MCP_LIST_TTL": "0"}).tools.mcp_list_ttl == 0.0
     with MockUpstream() as upstream:
         upstream.push(final_reply("one"), final_reply("two"))
         with (
@@ -629,19 +629,21 @@ def test_ttl_0_is_accepted_and_never_caches(tools_http: tuple[str, Recorder]) ->
 
 
 def test_list_cache_bytes_setting_sources_default_and_range(tmp_path: Path) -> None:
-    assert Settings().mcp_list_cache_bytes == DEFAULT_LIST_CACHE_BYTES == 16 * 1024 * 1024
+    assert Settings().tools.mcp_list_cache_bytes == DEFAULT_LIST_CACHE_BYTES == 16 * 1024 * 1024
     cfg = tmp_path / "lw.yaml"
     cfg.write_text("mcp-list-cache-bytes: 1000\nmcp_list_ttl: 0\n")
-    assert load_settings({"config": str(cfg)}, {}).mcp_list_cache_bytes == 1000
+    assert load_settings({"config": str(cfg)}, {}).tools.mcp_list_cache_bytes == 1000
     assert (
-        load_settings({"config": str(cfg)}, {"LOOPWARDEN_MCP_LIST_CACHE_BYTES": "2000"}).mcp_list_cache_bytes
+        load_settings(
+            {"config": str(cfg)}, {"LOOPWARDEN_MCP_LIST_CACHE_BYTES": "2000"}
+        ).tools.mcp_list_cache_bytes
         == 2000
     )
     parser = argparse.ArgumentParser()
     cli._serve_parser(parser.add_subparsers())
     flags = vars(parser.parse_args(["serve", "--mcp-list-cache-bytes", "0", "--mcp-list-ttl", "0"]))
     settings = load_settings(flags, {})
-    assert (settings.mcp_list_cache_bytes, settings.mcp_list_ttl) == (0, 0.0)
+    assert (settings.tools.mcp_list_cache_bytes, settings.tools.mcp_list_ttl) == (0, 0.0)
     for value in (-1, 1_073_741_825):
         with pytest.raises(SettingsError) as info:
             load_settings({"mcp_list_cache_bytes": value}, {})

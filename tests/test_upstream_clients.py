@@ -127,7 +127,7 @@ def expect(error: type[UpstreamError], coro: Coroutine[Any, Any, Any]) -> Upstre
 
 
 def test_default_is_aiohttp_and_httpx_is_selectable() -> None:
-    assert Settings().upstream_client == "aiohttp"
+    assert Settings().upstream.client == "aiohttp"
     url = "http://127.0.0.1:1/v1"
     assert isinstance(default_upstream(Settings(upstream=url), url), AiohttpUpstream)
     assert isinstance(default_upstream(Settings(upstream=url, upstream_client="httpx"), url), HttpxUpstream)
@@ -508,10 +508,10 @@ def test_a_bad_chunk_after_the_headers_fails_the_read(make: Factory, upstream: M
 def test_setting_from_env_file_and_flag(tmp_path: Path) -> None:
     cfg = tmp_path / "lw.yaml"
     cfg.write_text("upstream-client: httpx\n")
-    assert load_settings({"config": str(cfg)}, {}).upstream_client == "httpx"
-    assert load_settings({}, {"LOOPWARDEN_UPSTREAM_CLIENT": "httpx"}).upstream_client == "httpx"
+    assert load_settings({"config": str(cfg)}, {}).upstream.client == "httpx"
+    assert load_settings({}, {"LOOPWARDEN_UPSTREAM_CLIENT": "httpx"}).upstream.client == "httpx"
     env = {"LOOPWARDEN_UPSTREAM_CLIENT": "httpx"}
-    assert load_settings({"config": str(cfg), "upstream_client": "aiohttp"}, env).upstream_client == "aiohttp"
+    assert load_settings({"config": str(cfg), "upstream_client": "aiohttp"}, env).upstream.client == "aiohttp"
 
 
 def test_invalid_setting_names_field_and_allowed_values() -> None:

@@ -96,9 +96,9 @@ def websocket_max_size(settings: Settings) -> int:
     """The largest WebSocket message any turn can send (bytes): the body clamp of the most
     permissive configured charge model at ``max_retained_bytes`` (lowering headers and model
     routes only lower it; `WebSocketResponses` checks the turn's own)."""
-    names = {settings.charge_model} | {r.charge_model for r in settings.model_routes if r.charge_model}
+    names = {settings.loop.charge_model} | {r.charge_model for r in settings.model_routes if r.charge_model}
     model = ChargeModel.named("measured" if "measured" in names else "reference")
-    return model.body_clamp(settings.max_retained_bytes)
+    return model.body_clamp(settings.loop.max_retained_bytes)
 
 
 def uvicorn_websocket_options(settings: Settings) -> dict[str, Any]:

@@ -502,9 +502,9 @@ class AgentLoop:
             self.resolved,
             list(calls),
             ledger=self.ctx.ledger,
-            timeout=settings.tool_timeout,
-            concurrency=settings.tool_concurrency,
-            max_result_bytes=settings.tool_max_result_bytes,
+            timeout=settings.tools.timeout,
+            concurrency=settings.tools.concurrency,
+            max_result_bytes=settings.tools.max_result_bytes,
         )
         return await self.upstream.with_keepalive(work)
 

@@ -150,10 +150,10 @@ class BackgroundTasks:
         self.get_store = get_store
         self.settings = settings
         self.drain = drain
-        self.lease_ms = int(settings.background_lease_seconds * 1000)
-        self.tick = min(0.25, settings.background_lease_seconds / 4)
+        self.lease_ms = int(settings.background.lease_seconds * 1000)
+        self.tick = min(0.25, settings.background.lease_seconds / 4)
         self.worker = worker_name()
-        self.expire_every = max(self.tick, settings.background_lease_seconds / 4)
+        self.expire_every = max(self.tick, settings.background.lease_seconds / 4)
         self.tasks: dict[str, BackgroundTask] = {}
         self.shutdown_at: float | None = None  # time.monotonic() after which tasks are ended
         self._beat: asyncio.Task[None] | None = None
@@ -182,12 +182,12 @@ class BackgroundTasks:
     async def close(self) -> None:
         """Drain: the tasks run until the drain deadline, then end ``failed``
         (``server_shutting_down``); then the heartbeat stops."""
-        self.shutdown_at = time.monotonic() + self.settings.drain_timeout
+        self.shutdown_at = time.monotonic() + self.settings.transport.drain_timeout
         for task in tuple(self.tasks.values()):
             task.wake.set()
         runners = {t.runner for t in self.tasks.values() if t.runner is not None}
         if runners:
-            await asyncio.wait(runners, timeout=self.settings.drain_timeout + 10)
+            await asyncio.wait(runners, timeout=self.settings.transport.drain_timeout + 10)
         if self._beat is not None:
             self._beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -223,8 +223,8 @@ class BackgroundTasks:
         ledger, reservation = ctx.ledger, intake.reservation
         intake.ledger = None  # the task releases them at its end, not the guard
         intake.reservation = None
-        event_log = EventLog(self.settings.background_event_log_bytes, ledger) if ctx.stream else None
-        sink = ClientStream(_sink(event_log), keepalive_interval=self.settings.keepalive_interval)
+        event_log = EventLog(self.settings.background.event_log_bytes, ledger) if ctx.stream else None
+        sink = ClientStream(_sink(event_log), keepalive_interval=self.settings.transport.keepalive_interval)
         task_ctx = dataclasses.replace(ctx, client=sink, hooks=RequestHooks(), response_id=response_id)
         task = BackgroundTask(response_id, task_ctx, queued, event_log, ledger, reservation, intake.caller)
         self.tasks[response_id] = task
@@ -238,7 +238,9 @@ class BackgroundTasks:
         background task outlives its client, so the pool's byte share alone (about 0.5 MB a
         task) would let one caller hold every upstream connection and starve the others."""
         settings = self.settings
-        return max(1, int(settings.max_inflight_share_per_caller * settings.upstream_max_connections))
+        return max(
+            1, int(settings.admission.max_inflight_share_per_caller * settings.upstream.max_connections)
+        )
 
     def _check_caller_share(self, caller: str) -> None:
         running = sum(1 for task in self.tasks.values() if task.caller == caller)
@@ -247,7 +249,7 @@ class BackgroundTasks:
             raise CallerShareFull(
                 f"the gateway refuses this caller for now: it already runs {running} background responses "
                 f"on this worker, its share (--max-inflight-share-per-caller × --upstream-max-connections = "
-                f"{cap}) of the upstream connections; retry after {self.settings.retry_after:g} s, once "
+                f"{cap}) of the upstream connections; retry after {self.settings.admission.retry_after:g} s, once "
                 "one has ended (or cancel one)",
                 requested=1,
                 held=running,
@@ -264,7 +266,7 @@ class BackgroundTasks:
         reader = task.log.reader()  # before the task first runs: the follower misses nothing
         try:
             await serve_follower(
-                reader, client, receive, after=-1, write_timeout=self.settings.client_write_timeout
+                reader, client, receive, after=-1, write_timeout=self.settings.transport.client_write_timeout
             )
         except EventGap:  # pragma: no cover - the reader holds what it has not sent
             log.warning("background response %s: its stream lost events", task.response_id)
@@ -346,14 +348,14 @@ class BackgroundTasks:
                     await self._expire()
                 if time.monotonic() - last_gc >= _GC_EVERY:
                     last_gc = time.monotonic()
-                    retention_ms = int(self.settings.background_event_log_retention * 1000)
+                    retention_ms = int(self.settings.background.event_log_retention * 1000)
                     await self.tables.gc(now_ms() - retention_ms)
             except Exception:
                 log.exception("background heartbeat failed; retrying in %g s", self.tick)
 
     async def _expire(self) -> None:
         """Store ``failed`` the tasks of workers whose lease passed."""
-        seconds = self.settings.background_lease_seconds
+        seconds = self.settings.background.lease_seconds
         failure = WorkerLost(
             f"the worker running this background response stopped renewing its lease for {seconds:g} s "
             "(--background-lease-seconds): it died or lost the store; create the response again",

@@ -64,7 +64,7 @@ FORWARDED = ("model", "instructions", "prompt_cache_key", "prompt_cache_retentio
 
 def compact_mode(state: GatewayState, route: ModelRoute | None) -> str:
     """``auto``, ``upstream`` or ``gateway``: the route's ``upstream_compact``, else the server's."""
-    return (route.upstream_compact if route is not None else None) or state.settings.upstream_compact
+    return (route.upstream_compact if route is not None else None) or state.settings.compaction.mode
 
 
 def lowering_for(state: GatewayState, route: ModelRoute | None) -> Lowering:
@@ -166,7 +166,7 @@ class Compaction:
         route = ctx.route
         self.mode = compact_mode(state, route)
         self.cap = (route.compact_max_output_tokens if route is not None else None) or (
-            settings.compact_max_output_tokens
+            settings.compaction.max_output_tokens
         )
         self.url = state.upstream_url(route)
         self.upstream = state.upstream_for(route)

@@ -160,14 +160,14 @@ async def resume_response(tasks: BackgroundTasks, request: Request, owner: str) 
                 client,
                 receive,
                 after=after,
-                write_timeout=tasks.settings.client_write_timeout,
+                write_timeout=tasks.settings.transport.client_write_timeout,
                 on_end=on_end,
             )
         finally:
             if isinstance(source, PinnedReader):
                 source.close()
 
-    return _Streamed(run, tasks.settings.keepalive_interval)
+    return _Streamed(run, tasks.settings.transport.keepalive_interval)
 
 
 async def _send_stored_end(

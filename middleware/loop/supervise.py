@@ -63,7 +63,7 @@ class Supervisor:
         """Wait for ``work``; end it at the deadline, the drain deadline or a cancel. Returns
         (the failure that ended it, whether a cancel did)."""
         task = self.task
-        deadline = task.started + self.tasks.settings.request_deadline
+        deadline = task.started + self.tasks.settings.loop.request_deadline
         ended: Exception | None = None
         cancelled = False
         try:
@@ -78,7 +78,7 @@ class Supervisor:
                     )
                     break
                 if now >= deadline:
-                    seconds = self.tasks.settings.request_deadline
+                    seconds = self.tasks.settings.loop.request_deadline
                     ended = DeadlineExceeded(
                         f"the background response did not finish within {seconds:g} s (--request-deadline); "
                         "ask for less work (fewer rounds, shorter answers) or raise the deadline",

@@ -116,7 +116,7 @@ def fd_headroom(settings: Settings) -> int:
     model, at most), twice when the embedded development model answers in this process (both
     ends of each connection), plus `FD_MARGIN`."""
     pools = 1 + len(settings.model_routes)
-    upstream = settings.upstream_max_connections * pools * (2 if settings.upstream is None else 1)
+    upstream = settings.upstream.max_connections * pools * (2 if settings.upstream.url is None else 1)
     return upstream + FD_MARGIN
 
 
@@ -130,8 +130,8 @@ def fd_limit() -> int:
 def resolve_backlog(settings: Settings, nofile: int | None = None) -> int:
     """``settings.backlog``, or when it is 0 the default: ``min(2048, nofile // 8)`` (2048 is
     uvicorn's default). ``nofile``: the soft file-descriptor limit (None: `fd_limit`)."""
-    if settings.backlog:
-        return settings.backlog
+    if settings.transport.backlog:
+        return settings.transport.backlog
     return max(1, min(MAX_DERIVED_BACKLOG, (fd_limit() if nofile is None else nofile) // 8))
 
 
@@ -143,8 +143,8 @@ def resolve_max_connections(settings: Settings, nofile: int | None = None) -> in
     too low for the upstream pools): the message says to raise ``ulimit -n``, lower
     ``--upstream-max-connections`` or set ``--max-connections``.
     """
-    if settings.max_connections:
-        return settings.max_connections
+    if settings.transport.max_connections:
+        return settings.transport.max_connections
     nofile = fd_limit() if nofile is None else nofile
     reserved = fd_headroom(settings) + resolve_backlog(settings, nofile)
     derived = nofile - reserved
@@ -181,22 +181,22 @@ def connection_options(settings: Settings, nofile: int | None = None) -> dict[st
     ``nofile``: see `resolve_max_connections`. Raises SettingsError as it does.
     """
     bounds = ConnectionBounds(
-        header_timeout=settings.header_timeout,
+        header_timeout=settings.transport.header_timeout,
         max_connections=resolve_max_connections(settings, nofile),
-        max_header_bytes=settings.max_header_bytes,
-        write_timeout=settings.client_write_timeout,
+        max_header_bytes=settings.transport.max_header_bytes,
+        write_timeout=settings.transport.client_write_timeout,
     )
     from middleware.asgi.websocket import uvicorn_websocket_options
 
     return {
         **uvicorn_websocket_options(settings),
-        "http": protocol_factory(settings.http, bounds),
+        "http": protocol_factory(settings.transport.http, bounds),
         # the event loop is always named (never uvicorn's "auto"): the bounds hold on both, uvloop's C
         # transports through `BoundedTransport`
-        "loop": settings.loop,
-        "timeout_keep_alive": settings.keepalive_timeout,
+        "loop": settings.transport.loop,
+        "timeout_keep_alive": settings.transport.keepalive_timeout,
         "backlog": resolve_backlog(settings, nofile),
-        "h11_max_incomplete_event_size": settings.max_header_bytes,
+        "h11_max_incomplete_event_size": settings.transport.max_header_bytes,
     }
 
 
