@@ -42,7 +42,7 @@ test: lint types unit
 # Opt-in, not part of `make test`: real clients installed with npm (the Codex CLI), end to end.
 test-clients: $(STAMP)
 	@command -v codex >/dev/null || npm install -g @openai/codex
-	LOOPWARDEN_CLIENT_TESTS=1 $(BIN)/python -m pytest -q -m clients tests/test_codex.py $(PYTEST_ARGS)
+	LOOPWARDEN_CLIENT_TESTS=1 $(BIN)/python -m pytest -q -m clients tests/e2e/test_codex.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ledger.py

@@ -2,7 +2,7 @@
 
 Usage: ``python bench/mcp_server.py --port PORT`` — serves ``/mcp`` with one tool, ``lookup(q)``,
 which answers ``"ok: " + q`` at once (the tool itself costs nothing; the benchmark measures the
-gateway's MCP round trips). Same server shape as ``tests/test_loop_e2e.py:build_server()``.
+gateway's MCP round trips). Same server shape as ``tests/loop/test_loop_e2e.py:build_server()``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Pure and synchronous: no I/O, no event loop, nothing from `middleware`, Starlette or httpx.
 See DESIGN.md §3–§4 and the README section "Charge models".
 
-The public API is `__all__` (checked by tests/test_budget_imports.py); the usual imports::
+The public API is `__all__` (checked by tests/unit/test_budget_imports.py); the usual imports::
 
     from budget import Limits, ChargeModel, Ledger, BudgetExceeded, count_json_nodes, JsonNodeCounter
     from budget import loads_strict, JsonInvalid, JsonTooDeep, BudgetError, ChargePool, PoolExhausted

@@ -1,7 +1,7 @@
 """What a charge model costs users: the README table, computed from real ledger runs.
 
 ``python -m budget.costs`` prints the Markdown table that README.md shows between its
-``charge-models`` markers; tests/test_budget_costs.py recomputes it and fails if the README
+``charge-models`` markers; tests/budget/test_budget_costs.py recomputes it and fails if the README
 drifted. Every figure comes from running a `Ledger` through the admissions the gateway makes for
 one request (DESIGN.md §3–§4), with the clamps of `Limits`:
 

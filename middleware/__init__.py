@@ -15,7 +15,7 @@
 
 Each name is imported on first use (PEP 562), so ``import middleware.upstream.sse`` (or any other
 submodule) does not pay for Starlette, aiohttp, the MCP SDK and the store; `__all__` is pinned by
-tests/test_exported_members.py. The pure budgeting code is the separate package `budget`.
+tests/unit/test_exported_members.py. The pure budgeting code is the separate package `budget`.
 """
 
 import importlib as _importlib

@@ -62,7 +62,7 @@ def gateway(
     ``http``: uvicorn's HTTP stack (``"h11"`` or ``"httptools"``; None: uvicorn's default).
     The retry shield is off unless the test sets ``retry_shield_seconds``: property tests and
     module-scoped gateways send identical failing requests on purpose, each to be checked afresh
-    (tests/test_retry_shield.py tests the shield)."""
+    (tests/ops/test_retry_shield.py tests the shield)."""
     overrides.setdefault("max_retained_bytes", B)
     overrides.setdefault("retry_shield_seconds", 0)
     overrides.setdefault("store", "memory")

@@ -19,7 +19,7 @@ candidate limit L the share of requests it would have stopped is an interval (`S
   K censored ones may be: [above(L), above(L) + K] / N.
 
 A candidate that is not a bucket bound is rounded down to the bound under it (stopping more, never
-less). Everything here is pure and deterministic; the property test (tests/test_capacity.py)
+less). Everything here is pure and deterministic; the property test (tests/unit/test_capacity.py)
 checks it against simulated populations with known needs.
 """
 

@@ -27,7 +27,7 @@ arrived (a plain-text 503), so idle sockets still hold their descriptors; and it
 is armed only after a response, never on a fresh connection. So its own settings are used where
 they suffice (``timeout_keep_alive``, ``backlog``; ``h11_max_incomplete_event_size`` as h11's own
 second line) and a small subclass of each protocol adds the rest: `BoundedH11Protocol`,
-`BoundedHttpToolsProtocol` (``tests/test_connection_bounds.py`` asserts the uvicorn names they
+`BoundedHttpToolsProtocol` (``tests/ops/test_connection_bounds.py`` asserts the uvicorn names they
 rely on still exist and are called). `connection_options` gives the ``uvicorn.Config`` keywords
 ``loopwarden serve`` uses; ``http=`` is a `functools.partial` of the class, so that the
 ``--workers`` > 1 path can pickle it to its spawned workers.

@@ -153,7 +153,7 @@ BACKGROUND_OUTCOMES: tuple[str, ...] = ("completed", "incomplete", "failed", "ca
 #: Codes chosen by the upstream (its 4xx/5xx or in-band error codes) are unbounded strings and are
 #: folded into ``upstream_error`` (`stream_error_label`). Spelled out here rather than derived from
 #: the outcome table: ``middleware.outcomes`` imports this module to count, and the dashboards
-#: must read the contract without importing the request path; tests/test_metrics_contract.py
+#: must read the contract without importing the request path; tests/unit/test_metrics_contract.py
 #: asserts the two are equal and cover DESIGN.md §5's after-commit codes.
 STREAM_ERROR_CODES: tuple[str, ...] = (
     "max_retained_bytes_exceeded",

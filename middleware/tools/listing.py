@@ -15,7 +15,7 @@ request's ledger is bounded and counted too).
 Measured with ``tracemalloc`` on a real streamable-HTTP listing (the MCP server in another
 process), for shapes from 2,000 typical tools to node-heavy and UCS-4 ones: the peak while one
 answer is read and parsed is at most 1/2.5 of its `ListingMeter` charge, and what the cache
-keeps is at most 1/1.5 of its `listing_size` (tests/test_listing_cache.py checks the latter).
+keeps is at most 1/1.5 of its `listing_size` (tests/tools/test_listing_cache.py checks the latter).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def listing_size(serialized: bytes, key: tuple[str, ...]) -> int:
     """The bytes one cache entry keeps alive: the parsed listing, priced from its compact JSON
     serialization `serialized` (UTF-8) as `LISTING_MODEL` prices parsed objects a request keeps
     (``accumulated_charge``: per byte and per JSON node), plus `ENTRY_OVERHEAD` and the key's
-    characters. Sound, not exact: tests/test_listing_cache.py holds it to ``tracemalloc``."""
+    characters. Sound, not exact: tests/tools/test_listing_cache.py holds it to ``tracemalloc``."""
     parsed = LISTING_MODEL.accumulated_charge(len(serialized), count_json_nodes(serialized), False)
     return parsed + ENTRY_OVERHEAD + sum(len(part) for part in key)
 

@@ -87,7 +87,7 @@ def _unread(content: aiohttp.StreamReader) -> Iterator[bytes]:
     it (the events before a reset commit the stream, and the response is stored as failed, case
     B06a). `StreamReader` has no public way to read past its failure, so this calls its internal
     ``_read_nowait``; should an aiohttp release drop it, nothing is recovered and
-    tests/test_upstream_clients.py::test_bytes_before_a_reset_are_handed_over fails.
+    tests/upstream/test_upstream_clients.py::test_bytes_before_a_reset_are_handed_over fails.
     """
     read_nowait = getattr(content, "_read_nowait", None)
     if read_nowait is None:
@@ -117,7 +117,7 @@ def _fail_body_when_connection_closes(response: aiohttp.ClientResponse) -> _Watc
 
     aiohttp (3.14, C parser) answers a malformed chunk that arrives after the headers by closing
     the connection and failing the *protocol*, without failing the body's `StreamReader` or keeping
-    its read timeout: ``content.read()`` then waits forever (tests/test_upstream_clients.py,
+    its read timeout: ``content.read()`` then waits forever (tests/upstream/test_upstream_clients.py,
     ``test_a_bad_chunk_after_the_headers_fails_the_read``). When the connection is lost, a body
     that is neither complete nor failed is failed here (public `ResponseHandler.closed` future).
     Returns the (future, callback) to remove with `_unwatch` when the response is closed: a
