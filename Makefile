@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint types unit bench clean prometheus prometheus-install postgres test-clients
+.PHONY: run test lint types unit test-unit bench clean prometheus prometheus-install postgres test-clients
 
 $(STAMP): pyproject.toml
 	@echo "bootstrapping $(VENV) (first run installs the project and its test tools)..."
@@ -38,6 +38,10 @@ unit: $(STAMP) prometheus-install postgres
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test: lint types unit
+
+# The fast tier alone: no server, no PostgreSQL, no Prometheus (tests/unit/).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
 # Opt-in, not part of `make test`: real clients installed with npm (the Codex CLI), end to end.
 test-clients: $(STAMP)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from openai import OpenAI
@@ -118,6 +119,25 @@ class MetricDelta:
         labels = _with_transport(name, labels)
         key = (name, tuple(sorted(labels.items())))
         return metric(name, **labels) - self._before.get(key, 0.0)
+
+
+def settled(m: MetricDelta, name: str, want: float, timeout: float = 3.0, **labels: str) -> float:
+    """The metric's delta once it reaches `want` (the gateway counts some outcomes just after it
+    sent the answer, so a fast client can look first), or its value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while m.delta(name, **labels) != want and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return m.delta(name, **labels)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """True once `predicate()` is truthy (polled every 10 ms), False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 # -- CASES.md notation --------------------------------------------------------------------------

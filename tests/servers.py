@@ -5,8 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 from middleware.dev.embedded import BackgroundServer
 
@@ -20,6 +25,44 @@ def serve_asgi(app: Any, **config: Any) -> Iterator[str]:
         yield url
     finally:
         server.stop()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a subprocess that binds it itself)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen[Any],
+    *,
+    log: Path | None = None,
+    timeout: float = 30.0,
+    what: str = "the gateway",
+) -> None:
+    """Return once ``GET {url}/healthz`` answers 200 from the `loopwarden serve` subprocess `proc`.
+
+    Polls every 0.1 s (1 s per attempt). Raises AssertionError, with what the process wrote (its
+    `log` file, else its ``stderr`` pipe when it has one), when it exits first or after `timeout`
+    seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        assert proc.poll() is None, _output(proc, log)
+        assert time.monotonic() < deadline, f"{what} did not answer /healthz within {timeout:g} s"
+        time.sleep(0.1)
+
+
+def _output(proc: subprocess.Popen[Any], log: Path | None) -> object:
+    """What a process that exited wrote: its log file, else its stderr pipe (else nothing)."""
+    if log is not None:
+        return log.read_text()
+    return proc.stderr.read() if proc.stderr else ""
 
 
 def raw_http(url: str, head: bytes, body: bytes = b"", *, read_timeout: float = 10.0) -> bytes:

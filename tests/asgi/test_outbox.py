@@ -175,12 +175,6 @@ def test_a_failing_keepalive_fails_the_read() -> None:
         asyncio.run(main())
 
 
-@pytest.fixture
-def upstream() -> Any:
-    with MockUpstream() as mock:
-        yield mock
-
-
 def _stream_in_one_write(n: int) -> bytes:
     parts = [*PRE(), *(text_delta(2 + i, "x") for i in range(n)), DONE(2 + n, [message_item("x" * n)])]
     return b"".join(parts)

@@ -28,6 +28,8 @@ import pytest
 
 from tests.helpers import DONE, PRE, MetricDelta, gateway, message_item, metric, response_obj, text_delta
 from tests.mock_upstream import MockUpstream, Reply
+from tests.servers import free_port as _free_port
+from tests.servers import wait_healthy
 
 STACKS = ["h11", "httptools"]
 DELTA = "x" * 16_384  # one text delta's bytes: a long answer in few events
@@ -36,12 +38,6 @@ GATEWAY_GAUGES = (
     "loopwarden_inflight_retained_bytes",
     "loopwarden_inflight_requests",
 )
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
 
 
 def long_answer(deltas: int, *, pause: float = 0.0) -> Reply:
@@ -182,12 +178,6 @@ LAUNCH = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve(http: str, args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """`loopwarden serve` on uvicorn's `http` stack in a subprocess; returns once /healthz answers."""
     port = _free_port()
@@ -201,16 +191,8 @@ def _serve(http: str, args: list[str], log: Path) -> tuple[subprocess.Popen[byte
             env=env,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "gateway did not start"
-        time.sleep(0.1)
+    wait_healthy(url, proc, log=log)
+    return proc, url
 
 
 @pytest.mark.slow

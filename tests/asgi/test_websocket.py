@@ -43,12 +43,6 @@ WS = "loopwarden_websocket_turns_total"
 CAP = "loopwarden_cap_hits_total"
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 @contextlib.contextmanager
 def ws_gateway(upstream: MockUpstream | None, **overrides: Any) -> Iterator[str]:
     """The gateway on a real uvicorn with `loopwarden serve`'s connection options (the bounded

@@ -33,8 +33,10 @@ from tests.helpers import (
     message_item,
     response_obj,
     sdk,
+    settled,
     sse_events,
     text_delta,
+    wait_for,
 )
 from tests.mcp_servers import Probe, build_tools_server, serve_mcp
 from tests.mock_upstream import RST, E, MockUpstream, Reply
@@ -62,24 +64,6 @@ def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def settled(m: MetricDelta, name: str, want: float, timeout: float = 3.0, **labels: str) -> float:
-    """The metric's delta once it reaches `want` (the gateway counts some outcomes just after it
-    sent the answer, so a fast client can look first), or its value at the timeout."""
-    deadline = time.monotonic() + timeout
-    while m.delta(name, **labels) != want and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return m.delta(name, **labels)
-
-
-def wait_for(predicate: Any, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 @pytest.fixture(scope="module")
 def mcp_url() -> Iterator[str]:
     with serve_mcp(build_tools_server(PROBE)) as (url, _):
@@ -89,12 +73,6 @@ def mcp_url() -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def fresh_probe() -> None:
     PROBE.reset()
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
 
 
 def tools_gateway(upstream: MockUpstream, mcp_url: str, **kw: Any) -> Any:

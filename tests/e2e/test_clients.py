@@ -78,12 +78,6 @@ def mcp_url() -> Iterator[str]:
         yield url + "/mcp"
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 @pytest.fixture(autouse=True)
 def fresh_calls() -> None:
     CALLS.seen.clear()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,6 @@ pytestmark = [
 ]
 CODEX = shutil.which("codex")
 STREAM_RETRIES = 5  # Codex's default stream_max_retries, set explicitly
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as up:
-        yield up
 
 
 def codex_config(base_url: str) -> str:

@@ -44,8 +44,10 @@ from tests.helpers import (
     message_item,
     response_json,
     response_obj,
+    settled,
     sse_events,
     text_delta,
+    wait_for,
 )
 from tests.loop.test_loop_e2e import LOG, TOOLS_DECL, build_server, fc_stream, text_stream
 from tests.mock_upstream import RST, E, MockUpstream, Reply, Turn, cassettes_dir, load_cassette
@@ -60,33 +62,9 @@ def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def settled(m: MetricDelta, name: str, want: float, timeout: float = 3.0, **labels: str) -> float:
-    """The metric's delta once it reaches `want` (the gateway counts some outcomes just after it
-    sent the answer, so a fast client can look first), or its value at the timeout."""
-    deadline = time.monotonic() + timeout
-    while m.delta(name, **labels) != want and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return m.delta(name, **labels)
-
-
-def wait_for(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def stored_status(client: httpx.Client, url: str, response_id: str) -> str | None:
     r = client.get(f"{url}/v1/responses/{response_id}", headers=AUTH)
     return r.json()["status"] if r.status_code == 200 else None
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
 
 
 # -- 1. an upstream reset at every event boundary of a recorded stream ---------------------------------

@@ -41,12 +41,6 @@ PREFIX = b'{"model":"m","input":"'
 SUFFIX = b'"}'
 
 
-@pytest.fixture
-def upstream() -> Any:
-    with MockUpstream() as mock:
-        yield mock
-
-
 def ok_reply(text: str = "hi") -> Reply:
     return Reply.json(response_obj([message_item(text)]))
 

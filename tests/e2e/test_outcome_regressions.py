@@ -37,12 +37,6 @@ from tests.mock_upstream import E, MockUpstream, Reply
 from tests.servers import serve_asgi
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 def post(url: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(url + "/v1/responses", json=body, timeout=30)
 

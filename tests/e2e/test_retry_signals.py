@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -31,12 +30,6 @@ RATE_HEADERS = [
     ("x-ratelimit-remaining-requests", "0"),
 ]
 TOOLS = [{"type": "mcp", "server_label": "tools", "require_approval": "never"}]
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as up:
-        yield up
 
 
 def limited(status: int) -> Reply:

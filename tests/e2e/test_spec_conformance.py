@@ -227,12 +227,6 @@ def test_loop_cap_envelope_stream_error_and_stored_failure_conform() -> None:
 # -- scripted upstreams: minimal objects the gateway must complete -------------------------------
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 @pytest.fixture(scope="module")
 def mcp_url() -> Iterator[str]:
     with serve_mcp(build_tools_server(Probe())) as (url, _):

@@ -52,12 +52,6 @@ def close_clients() -> Iterator[None]:
         _CLIENTS.pop().close()
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 def held(release: threading.Event, obj: dict[str, Any]) -> Reply:
     """A buffered upstream answer that waits for ``release`` first."""
     return Reply(headers=[("content-type", "application/json")], parts=[release, json.dumps(obj).encode()])

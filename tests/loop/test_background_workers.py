@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,39 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.helpers import DONE, PRE, message_item, response_obj, sse_events, text_delta
 from tests.loop.test_background import AUTH, close_clients, held, poll, sdk
 from tests.mock_upstream import MockUpstream, Reply
-from tests.pg import PgServer, PostgresMissing, running_postgres
+from tests.pg import PgServer
+from tests.servers import free_port as _free_port
+from tests.servers import wait_healthy
 
 __all__ = ["close_clients"]  # the autouse fixture closes the SDK clients of these tests too
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE = 2.0  # --background-lease-seconds of the gateways here
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
-@pytest.fixture(scope="module")
-def pg_server() -> Iterator[PgServer]:
-    try:
-        with running_postgres() as server:
-            yield server
-    except PostgresMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -73,14 +51,7 @@ def serving(store: str, upstream: MockUpstream, *extra: str) -> Iterator[tuple[s
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 40
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
-            assert time.monotonic() < deadline, "the gateway did not start within 40 s"
-            time.sleep(0.1)
+        wait_healthy(url, proc, timeout=40)
         yield url, proc
     finally:
         if proc.poll() is None:

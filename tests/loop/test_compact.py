@@ -4,15 +4,12 @@ route, answers validated against the Open Responses schemas (`tests.spec_schema`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +32,7 @@ from tests import spec_schema
 from tests.helpers import FC, MetricDelta, gateway, message_item, response_obj, sdk
 from tests.loop.test_loop_e2e import text_stream
 from tests.mock_upstream import MockUpstream, Reply
+from tests.servers import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 USAGE = {"input_tokens": 40, "output_tokens": 7, "total_tokens": 47}
@@ -45,12 +43,6 @@ def assert_compact_resource(answer: Any) -> None:
     """`answer` is the spec's ``CompactResource`` (skips when the spec is absent)."""
     spec_schema.require_spec()
     spec_schema.assert_valid("CompactResource", answer)
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
 
 
 def summary_reply(text: str = SUMMARY, status: str = "completed") -> Reply:
@@ -482,13 +474,7 @@ def test_an_item_signed_by_one_worker_verifies_on_the_other() -> None:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 40
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "two workers did not start"
-            time.sleep(0.2)
+        wait_healthy(base, proc, timeout=40, what="two workers")
         window = httpx.post(
             base + "/v1/responses/compact", json={"model": "dev", "input": "plan my trip"}, timeout=20
         ).json()["output"]

@@ -124,12 +124,6 @@ def fresh_log() -> None:
     LOG.__init__()  # type: ignore[misc]
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 def loop_gateway(upstream: MockUpstream, mcp_url: str, **kw: Any) -> Any:
     kw.setdefault("mcp_server", (f"tools={mcp_url}",))
     # The tool lists (seven tools here) are charged for every request that keeps them, so loop

@@ -11,7 +11,6 @@ import inspect
 import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -35,12 +34,6 @@ def _cassette_ids() -> list[str]:
     if CASSETTES is None:
         return ["<absent>"]
     return sorted(str(p.relative_to(CASSETTES)) for pattern in REPLAYED for p in CASSETTES.glob(pattern))
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
 
 
 def gateway(upstream: MockUpstream, **overrides: Any) -> Any:

@@ -199,13 +199,7 @@ async def _never_receive() -> dict[str, Any]:  # pragma: no cover - the intake a
     raise AssertionError("not read")
 
 
-# -- a real server -------------------------------------------------------------------------------
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
+# -- a real server (the upstream fixture is tests/conftest.py's) ---------------------------------
 def _head(*, key: str = "", forwarded_for: str = "") -> bytes:
     lines = [b"POST /v1/responses HTTP/1.1", b"host: x", b"content-type: application/json"]
     lines.append(b"transfer-encoding: chunked")  # no Content-Length: the request reserves R

@@ -49,7 +49,8 @@ from middleware.ops.connections import (
 )
 from tests.helpers import DONE, PRE, MetricDelta, message_item, response_obj
 from tests.mock_upstream import MockUpstream, Reply
-from tests.servers import response_json, serve_asgi
+from tests.servers import free_port as _free_port
+from tests.servers import response_json, serve_asgi, wait_healthy
 
 STACKS = ("h11", "httptools")
 #: The event loop each stack runs on here: httptools + uvloop is `loopwarden serve`'s default
@@ -366,12 +367,6 @@ def test_connections_over_max_connections_are_closed_at_once_and_a_client_is_sti
 # --- loopwarden serve in a subprocess: file descriptors, workers --------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def serve(args: list[str], log: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """`loopwarden serve` in a subprocess; yields (process, port) once /healthz answers."""
@@ -386,16 +381,7 @@ def serve(args: list[str], log: Path) -> Iterator[tuple[subprocess.Popen[bytes],
             env=env,
         )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "gateway did not start"
-            time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log=log)
         yield proc, port
     finally:
         proc.terminate()

@@ -6,12 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +39,10 @@ from tests.helpers import (
     text_delta,
 )
 from tests.mock_upstream import MockUpstream, Reply
-from tests.servers import serve_asgi
+from tests.servers import free_port as _free_port
+from tests.servers import serve_asgi, wait_healthy
 
 SMALL = {"id": "r", "object": "response", "status": "completed", "output": []}
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
 
 
 def body_of(size: int) -> bytes:
@@ -294,12 +287,6 @@ def test_readyz_turns_not_ready_at_once_when_draining(upstream: MockUpstream) ->
     assert upstream.requests == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve(
     args: list[str], log: Path, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
@@ -314,16 +301,8 @@ def _serve(
             env={**{k: v for k, v in os.environ.items() if not k.startswith("LOOPWARDEN_")}, **(env or {})},
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "gateway did not start"
-        time.sleep(0.1)
+    wait_healthy(url, proc, log=log)
+    return proc, url
 
 
 def test_sigterm_drains_finishes_what_it_can_and_stores_the_true_status(

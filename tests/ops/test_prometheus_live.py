@@ -27,16 +27,11 @@ from dashboards.queries import all_expressions
 from tests.helpers import FC, gateway, message_item, response_obj
 from tests.loop.test_loop_e2e import TOOLS_DECL, build_server
 from tests.mock_upstream import MockUpstream, Reply
+from tests.servers import free_port as _free_port
 from tests.servers import serve_asgi
 
 # Empty only after a fault this workload must not cause (every dashboard panel query must have data).
 MAY_BE_EMPTY = {"signal:LoopwardenInternalErrors"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -47,12 +46,6 @@ from tests.mock_upstream import MockUpstream, Reply
 
 HIT = "loopwarden-retry-shield"
 TOOLS = [{"type": "mcp", "server_label": "tools", "require_approval": "never"}]
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as up:
-        yield up
 
 
 # -- units ----------------------------------------------------------------------------------------

@@ -7,11 +7,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.servers import wait_healthy
 
 
 def _requests_200(text: str) -> float:
@@ -42,16 +43,7 @@ def test_two_workers_report_aggregated_counters_whichever_answers() -> None:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 40
-        while True:
-            try:
-                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
-            assert time.monotonic() < deadline, "two workers did not start within 40 s"
-            time.sleep(0.2)
+        wait_healthy(base, proc, timeout=40, what="two workers")
         n = 40
         for _ in range(n):  # a new connection each time, so both workers get some
             r = httpx.post(base + "/v1/responses", json={"model": "dev", "input": "hi"}, timeout=20)

@@ -28,22 +28,13 @@ from openai.types.conversations import Conversation
 from budget import ChargeModel, Ledger
 from tests.helpers import gateway, message_item, response_obj, sdk
 from tests.mock_upstream import MockUpstream, Reply
-from tests.pg import PgServer, PostgresMissing, running_postgres
+from tests.pg import PgServer
 from tests.servers import raw_http, response_json
 from tests.store.test_store_reads import PAGE, item_charge, msg, serve, settled
 from tests.store.test_store_routes import assert_envelope, http
 
 MiB = 1 << 20
 MODEL = ChargeModel.measured()  # the gateway's default charge model
-
-
-@pytest.fixture(scope="module")
-def pg_server() -> Iterator[PgServer]:
-    try:
-        with running_postgres() as server:
-            yield server
-    except PostgresMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgresql"])
@@ -54,12 +45,6 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path}/store.db"
     server: PgServer = request.getfixturevalue("pg_server")
     return server.create_schema(f"t_{uuid.uuid4().hex[:16]}")
-
-
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
 
 
 @pytest.fixture

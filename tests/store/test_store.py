@@ -11,7 +11,7 @@ import contextlib
 import glob
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +34,6 @@ from middleware.store.store import (
 from tests.pg import PgServer, PostgresMissing, running_postgres
 
 BACKENDS = ["memory", "sqlite", "postgresql"]
-
-
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[PgServer]:
-    try:
-        with running_postgres() as server:
-            yield server
-    except PostgresMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(params=BACKENDS)

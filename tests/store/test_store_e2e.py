@@ -44,12 +44,6 @@ def mcp_url() -> Iterator[str]:
         yield url + "/mcp"
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 @pytest.fixture(autouse=True)
 def fresh_log() -> None:
     LOG.__init__()  # type: ignore[misc]

@@ -41,7 +41,7 @@ from middleware.store.reads import (
     read_ledger_limit,
 )
 from middleware.store.store import StoredResponse, encode_json, present_item
-from tests.pg import PgServer, PostgresMissing, running_postgres
+from tests.pg import PgServer
 from tests.servers import serve_asgi
 from tests.store.test_store_routes import Harness, assert_envelope, http, response_object
 
@@ -100,15 +100,6 @@ def text_of_charge(k: int, at_least: int) -> dict[str, Any]:
 
 
 # --- servers ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pg_server() -> Iterator[PgServer]:
-    try:
-        with running_postgres() as server:
-            yield server
-    except PostgresMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -42,7 +42,7 @@ from middleware.tools.listing import LISTING_MODEL, ListingCache, ListingMeter, 
 from tests.helpers import FC, B, gateway, message_item, response_obj, sdk
 from tests.mcp_servers import Probe, Recorder, build_tools_server, serve_mcp
 from tests.mock_upstream import MockUpstream, Reply
-from tests.servers import serve_asgi
+from tests.servers import free_port, serve_asgi
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,13 +164,6 @@ def _serve_listing(tools: int, port: int) -> None:
     uvicorn.run(
         build_listing_server(tools).streamable_http_app(), host="127.0.0.1", port=port, log_level="warning"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from tests.helpers import FC, gateway, message_item, response_obj, sdk
 from tests.logs import gateway_log_filters
 from tests.mcp_servers import Probe, build_tools_server
 from tests.mock_upstream import MockUpstream, Reply
+from tests.servers import free_port
 
 T = TypeVar("T")
 
@@ -57,13 +58,6 @@ def call(call_id: str, name: str, arguments: Any = "{}") -> dict[str, Any]:
 
 def mcp_tool(label: str = "tools", **extra: Any) -> dict[str, Any]:
     return {"type": "mcp", "server_label": label, "require_approval": "never", **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -165,12 +165,6 @@ def site(served: tuple[Site, str]) -> Iterator[tuple[Site, str]]:
     site.admin_probe.reset()
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 def declared(base: str) -> dict[str, Any]:
     return {"type": "mcp", "server_label": "mine", "server_url": f"{base}/mcp", "require_approval": "never"}
 

@@ -11,7 +11,6 @@ import ast
 import asyncio
 import json
 import logging
-import socket
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -48,7 +47,7 @@ from tests.mcp_servers import (
     build_tools_server,
     serve_mcp,
 )
-from tests.servers import serve_asgi
+from tests.servers import free_port, serve_asgi
 
 T = TypeVar("T")
 NEVER = "never"
@@ -474,13 +473,6 @@ def test_tools_list_is_cached_for_list_ttl(tools_http: tuple[str, Recorder, Prob
     for _ in range(2):
         run(uncached.resolve([mcp_tool()]))
     assert recorder.count("tools/list") - before == 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def test_a_server_that_is_down_fails_the_request_with_502() -> None:

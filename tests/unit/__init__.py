@@ -1,0 +1,1 @@
+"""The fast tier: no server, no PostgreSQL, no subprocess worth waiting for (`pytest tests/unit`)."""

@@ -59,12 +59,6 @@ def make(client_name: str) -> Factory:
     return factory
 
 
-@pytest.fixture
-def upstream() -> Iterator[MockUpstream]:
-    with MockUpstream() as mock:
-        yield mock
-
-
 @contextlib.contextmanager
 def silent_server() -> Iterator[str]:
     """A listening socket that never accepts: connections complete, no byte ever comes back."""
