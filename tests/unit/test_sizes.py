@@ -2,7 +2,7 @@
 
 The target is a function of at most 60 lines and a class of at most 300 outside
 `middleware/store/` (declarative data aside). The table is printed, not asserted (issue 22: a
-size is a reader's measure, not a gate); run ``pytest -s tests/test_sizes.py`` to see it. What is
+size is a reader's measure, not a gate); run ``pytest -s tests/unit/test_sizes.py`` to see it. What is
 asserted is the measure itself: a node's length counts its ``def``/``class`` line through its last
 line, decorators excluded, nested definitions measured on their own as well.
 """
@@ -13,7 +13,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("budget", "middleware")
 FUNCTION_TARGET = 60
 CLASS_TARGET = 300

@@ -29,7 +29,7 @@ from middleware.config import (
 )
 from middleware.config import main as config_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: every ``loopwarden serve`` flag before the groups (users rely on them)
 _OLD_FLAGS = """--api-key --api-key-file --background-event-log-bytes --background-event-log-retention
