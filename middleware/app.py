@@ -64,6 +64,7 @@ from middleware.store.routes import store_routes
 from middleware.store.store import Store, open_store
 from middleware.tools import McpServerConfig, PoolLimits, ToolCatalog
 from middleware.upstream.aiohttp_client import AiohttpUpstream
+from middleware.upstream.chat import ChatDialect, ChatUpstream
 from middleware.upstream.errors import UpstreamBodyTooLarge, read_limited, status_failure
 from middleware.upstream.httpx_client import HttpxUpstream
 from middleware.upstream.protocol import UpstreamClient
@@ -164,6 +165,25 @@ def default_upstream(settings: Settings, base_url: str) -> UpstreamClient:
     )
 
 
+#: The settings a `ChatDialect` is made of (chat: new settings; per model too).
+DIALECT_FIELDS = (
+    "reasoning_dialect",
+    "reasoning_replay",
+    "max_tokens_field",
+    "tool_call_profile",
+    "developer_role",
+)
+
+
+def speaking(settings: Settings, client: UpstreamClient) -> UpstreamClient:
+    """`client` as the loop calls it: itself for ``upstream_api: responses``, wrapped in a
+    `ChatUpstream` with the settings' `ChatDialect` for ``upstream_api: chat``."""
+    if settings.upstream_api != "chat":
+        return client
+    dialect = ChatDialect(**{field: getattr(settings, field) for field in DIALECT_FIELDS})
+    return ChatUpstream(client, dialect)
+
+
 def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
     """The process's MCP `ToolCatalog`: ``--mcp-server LABEL=URL`` entries, the ``--mcp-allow``
     prefixes, and (``demo``) the in-process demo server under the label ``demo``."""
@@ -248,7 +268,7 @@ def create_app(
                 "(a scripted stand-in, not a real model; pass --upstream URL for vLLM, SGLang or OpenAI)",
                 base_url,
             )
-        state.upstream = upstream_factory(settings, base_url)
+        state.upstream = speaking(settings, upstream_factory(settings, base_url))
         state.upstream_urls[""] = base_url
         for route in settings.model_routes:
             state.upstream_urls[route.name] = route.upstream or base_url
@@ -259,12 +279,16 @@ def create_app(
                     "upstream_connect_timeout",
                     "upstream_read_timeout",
                     "upstream_deadline",
+                    "upstream_api",
+                    *DIALECT_FIELDS,
                 )
                 if getattr(route, field) is not None
             }
             if route.upstream is not None or overrides:
                 routed = dataclasses.replace(settings, **overrides)
-                state.upstreams[route.name] = upstream_factory(routed, route.upstream or base_url)
+                state.upstreams[route.name] = speaking(
+                    routed, upstream_factory(routed, route.upstream or base_url)
+                )
         state.catalog = build_catalog(settings, demo=devmodel is not None)
         state.store = open_store(settings.store)
         await state.store.open()

@@ -49,6 +49,34 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--upstream-deadline", type=float, help="seconds for a whole upstream call (default 1800)")
     p.add_argument("--upstream-max-connections", type=int, help="pooled upstream connections (default 100)")
     p.add_argument("--upstream-client", help="upstream HTTP client: aiohttp (default) or httpx")
+    # chat: new settings
+    p.add_argument(
+        "--upstream-api",
+        help="what the upstream speaks: responses (default; /v1/responses) or chat (/v1/chat/completions, translated)",
+    )
+    p.add_argument(
+        "--reasoning-dialect",
+        help="chat upstreams: the field reasoning arrives in: reasoning_content (default), reasoning or none",
+    )
+    p.add_argument(
+        "--reasoning-replay",
+        help="chat upstreams: replayed reasoning goes on the next assistant message as "
+        "reasoning_content or reasoning, or is dropped: omit (default)",
+    )
+    p.add_argument(
+        "--max-tokens-field",
+        help="chat upstreams: what max_output_tokens becomes: max_completion_tokens (default) or max_tokens",
+    )
+    p.add_argument(
+        "--tool-call-profile",
+        help="chat upstreams: strict (default; tool-call stream quirks fail) or tolerant (every call on "
+        "index 0, fragments without index, calls without id)",
+    )
+    p.add_argument(
+        "--developer-role",
+        help="chat upstreams: the role developer messages are sent as: developer (default) or system",
+    )
+    # chat: end of new settings
     p.add_argument("--max-infer-iters", type=int, help="inference calls per request, 1..=100 (default 10)")
     p.add_argument(
         "--max-retained-bytes",

@@ -20,6 +20,7 @@ import yaml
 
 from budget import Limits
 from middleware.asgi.models import ModelConfigError, ModelRoute, parse_models
+from middleware.upstream.chat.dialect import DIALECT_CHOICES
 
 ENV_PREFIX = "LOOPWARDEN_"
 #: ``upstream_compact`` values: who answers ``POST /v1/responses/compact`` (README "Compaction").
@@ -107,6 +108,14 @@ class Settings:
     compact_secret_file: str | None = None
     api_key: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     api_key_file: str | None = None
+    # chat: new settings (issue 25: Chat Completions upstreams; per model under ``models:`` too)
+    upstream_api: str = "responses"
+    reasoning_dialect: str = "reasoning_content"
+    reasoning_replay: str = "omit"
+    max_tokens_field: str = "max_completion_tokens"
+    tool_call_profile: str = "strict"
+    developer_role: str = "developer"
+    # chat: end of new settings
     config: str | None = None
 
     def __post_init__(self) -> None:
@@ -245,6 +254,11 @@ class Settings:
             raise SettingsError(f"charge_model must be measured or reference, got {self.charge_model!r}")
         if self.upstream_client not in ("aiohttp", "httpx"):
             raise SettingsError(f"upstream_client must be aiohttp or httpx, got {self.upstream_client!r}")
+        for name, choices in {"upstream_api": ("responses", "chat"), **DIALECT_CHOICES}.items():
+            if getattr(self, name) not in choices:  # chat: new settings
+                raise SettingsError(
+                    f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                )
         if self.log_format not in ("text", "json"):
             raise SettingsError(f"log_format must be text or json, got {self.log_format!r}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):

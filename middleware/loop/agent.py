@@ -58,6 +58,7 @@ from middleware.ops import metrics
 from middleware.state import GatewayState
 from middleware.store.history import resolve_references, restore_history
 from middleware.tools import ResolvedTools, ToolOutcome, refuse_tool_call, run_tool_calls
+from middleware.upstream.chat.client import bind_ledger
 from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
@@ -426,7 +427,12 @@ class AgentLoop:
     # -- one round -------------------------------------------------------------------------
     async def _round(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         upstream = self.state.upstream_for(self.ctx.route)
-        response = await self._with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
+        with bind_ledger(self.ctx.ledger):  # a Chat upstream's translation is charged to this request
+            response = await self._with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
+            return await self._answer(response)
+
+    async def _answer(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Read one round's upstream answer (error status, SSE or buffered), then close it."""
         try:
             if response.status_code >= 400:
                 failure = status_failure(response.status_code, await read_limited(response), response.headers)
