@@ -364,3 +364,26 @@ def test_multi_round_mcp_loop_over_a_chat_upstream(upstream: MockUpstream) -> No
     )
     assert second[-1]["role"] == "tool" and second[-1]["tool_call_id"] == "call_1"
     assert "lookup q=x" in second[-1]["content"]
+
+
+def test_streamed_reasoning_is_its_own_item_through_the_sdk(upstream: MockUpstream, url: str) -> None:
+    """#11 through the gateway: reasoning (reasoning_content dialect) then text; the whole stream
+    valid against the spec, and the SDK's stream ends with both items."""
+    frames = [
+        chunk({"role": "assistant", "reasoning_content": "think"}),
+        chunk({"content": "answer"}),
+        chunk({}, "stop"),
+        CHAT_DONE,
+    ]
+    upstream.push(Reply.sse(frames))
+    events = _stream(url, input="q")
+    assert_stream(events)
+    output = events[-1][1]["response"]["output"]
+    assert [o["type"] for o in output] == ["reasoning", "message"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    upstream.push(Reply.sse(frames))
+    with sdk(url) as client, client.responses.stream(model="chat-model", input="q") as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "answer"

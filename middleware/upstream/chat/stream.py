@@ -9,6 +9,10 @@ call is announced at its first argument fragment once its ``id`` and ``name`` ar
 then, at the terminal, every item's ``.done`` events and ``output_item.done`` followed by
 ``response.completed`` or ``response.incomplete``, whose response is `build_response` of the
 accumulated `Completion` (the finite translation's builder). ``sequence_number`` counts from 0.
+Reasoning streams as its own ``reasoning`` item with the Open Responses spec's
+``response.reasoning.delta`` / ``response.reasoning.done`` events (openai-python names them
+``response.reasoning_text.*``; the spec is the contract here, and the SDK ignores event types it
+does not know, taking the item from ``output_item.done`` and the terminal).
 
 Tool calls are decided from the accumulated calls, never from ``finish_reason`` (Ollama sends
 ``stop`` after streamed calls). In the ``tolerant`` profile a new id on an index whose call has
@@ -174,7 +178,7 @@ class StreamConverter:
         self._keep(text)
         self._event(
             out,
-            "response.reasoning_text.delta",
+            "response.reasoning.delta",
             self._where(self.c.reasoning_id, self._reasoning_index, 0, delta=text),
         )
 
@@ -337,7 +341,7 @@ class StreamConverter:
         for content_index, part in enumerate(item["content"]):
             where = self._where(item["id"], output_index, content_index)
             if part["type"] == "reasoning_text":
-                self._event(out, "response.reasoning_text.done", {**where, "text": part["text"]})
+                self._event(out, "response.reasoning.done", {**where, "text": part["text"]})
             elif part["type"] == "refusal":
                 self._event(out, "response.refusal.done", {**where, "refusal": part["refusal"]})
             else:
