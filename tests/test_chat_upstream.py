@@ -387,3 +387,19 @@ def test_streamed_reasoning_is_its_own_item_through_the_sdk(upstream: MockUpstre
             pass
         final = stream.get_final_response()
     assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "answer"
+
+
+def test_ledger_overflow_in_translation_is_502_buffered_and_an_error_frame_streamed(
+    upstream: MockUpstream, url: str
+) -> None:
+    """#18 ledger: a Chat reply too big for the request's ledger (1 MiB here) -> 502
+    max_retained_bytes_exceeded buffered; one error frame once the stream is committed."""
+    upstream.push(Reply.json(completion("y" * 200_000)))
+    with sdk(url) as client, pytest.raises(openai.InternalServerError) as info:
+        client.responses.create(model="chat-model", input="hi")
+    assert info.value.status_code == 502 and info.value.code == "max_retained_bytes_exceeded"
+    upstream.push(Reply.sse(text_stream(*["y" * 4000] * 100)))
+    events = _stream(url, input="hi")
+    assert [n for n, _ in events][-2:] == ["error", "response.failed"]
+    assert events[-2][1]["code"] == "max_retained_bytes_exceeded"
+    assert events[0][0] == "response.created"
