@@ -503,6 +503,14 @@ def _operations() -> JSON:
             ["compactions_by_mode_outcome"],
             unit="ops",
         ),
+        Panel(
+            "Chat translation failures by reason",
+            "Chat Completions translations that failed per second (--upstream-api chat), by reason: a request"
+            " the Chat API cannot express (unsupported_request), a reply that cannot be translated, or a"
+            " translation cap (limit_*).",
+            ["translation_failures_by_reason"],
+            unit="ops",
+        ),
         Row("Upstream", "The model server behind the gateway."),
         Panel(
             "Upstream errors by kind",

@@ -337,6 +337,12 @@ _QUERY_LIST: list[Query] = [
         f"sum by (mode, outcome) ({_rate('loopwarden_compactions_total')})",
         "{{mode}} → {{outcome}}",
     ),
+    # Chat Completions upstreams (issue 25)
+    Query(
+        "translation_failures_by_reason",
+        f"sum by (reason) ({_rate('loopwarden_translation_failures_total')})",
+        "{{reason}}",
+    ),
     # upstream
     Query(
         "upstream_errors_by_kind",

@@ -64,6 +64,7 @@ from middleware.store.routes import store_routes
 from middleware.store.store import Store, open_store
 from middleware.tools import McpServerConfig, PoolLimits, ToolCatalog
 from middleware.upstream.aiohttp_client import AiohttpUpstream
+from middleware.upstream.chat import ChatDialect, ChatUpstream
 from middleware.upstream.errors import UpstreamBodyTooLarge, read_limited, status_failure
 from middleware.upstream.httpx_client import HttpxUpstream
 from middleware.upstream.protocol import UpstreamClient
@@ -256,12 +257,35 @@ async def start_devmodel() -> tuple[BackgroundServer, str]:
     return devmodel, base_url
 
 
+#: The settings a `ChatDialect` is made of (per model too).
+DIALECT_FIELDS = (
+    "reasoning_dialect",
+    "reasoning_replay",
+    "max_tokens_field",
+    "tool_call_profile",
+    "developer_role",
+)
+
+
+def speaking(settings: Settings, client: UpstreamClient) -> UpstreamClient:
+    """`client` as the loop calls it: itself for ``upstream_api: responses``, wrapped in a
+    `ChatUpstream` with the settings' `ChatDialect` for ``upstream_api: chat``."""
+    if settings.upstream.api != "chat":
+        return client
+    dialect = ChatDialect(
+        **{field: getattr(settings.upstream, field) for field in DIALECT_FIELDS}
+    )  # settings: group
+    return ChatUpstream(client, dialect)
+
+
 #: The upstream settings a model route may override (None: the server-wide value).
 ROUTE_UPSTREAM_FIELDS = (
     "upstream_api_key",
     "upstream_connect_timeout",
     "upstream_read_timeout",
     "upstream_deadline",
+    "upstream_api",
+    *DIALECT_FIELDS,
 )
 
 
@@ -271,7 +295,7 @@ def open_upstreams(
     """Create the default upstream client at `base_url` and one per model route that has its own
     URL or overrides one of `ROUTE_UPSTREAM_FIELDS`; record every route's base URL."""
     settings = state.settings
-    state.upstream = factory(settings, base_url)
+    state.upstream = speaking(settings, factory(settings, base_url))
     state.upstream_urls[""] = base_url
     for route in settings.model_routes:
         state.upstream_urls[route.name] = route.upstream or base_url
@@ -282,7 +306,7 @@ def open_upstreams(
         }
         if route.upstream is not None or overrides:
             routed = settings.replace(**overrides)
-            state.upstreams[route.name] = factory(routed, route.upstream or base_url)
+            state.upstreams[route.name] = speaking(routed, factory(routed, route.upstream or base_url))
 
 
 async def close_process_objects(state: GatewayState, devmodel: BackgroundServer | None) -> None:

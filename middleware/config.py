@@ -32,6 +32,13 @@ import yaml
 from budget import Limits
 from budget.limits import MAX_INFER_ITERS_RANGE, MAX_RETAINED_BYTES_RANGE
 from middleware.asgi.models import ModelConfigError, ModelRoute, parse_models
+from middleware.upstream.chat.dialect import (
+    DEVELOPER_ROLES,
+    MAX_TOKENS_FIELDS,
+    REASONING_DIALECTS,
+    REASONING_REPLAYS,
+    TOOL_CALL_PROFILES,
+)
 
 ENV_PREFIX = "LOOPWARDEN_"
 #: ``upstream_compact`` values: who answers ``POST /v1/responses/compact`` (README "Compaction").
@@ -234,6 +241,40 @@ class UpstreamSettings:
         doc="upstream HTTP client, `aiohttp` or `httpx` (see [Performance](#performance))",
         choices=("aiohttp", "httpx"),
         flat="upstream_client",
+    )
+    api: str = setting(
+        "responses",
+        "what the upstream speaks: responses (/v1/responses) or chat (/v1/chat/completions, translated)",
+        doc="what the upstream speaks: `responses` (`/v1/responses`) or `chat` (`/v1/chat/completions`, "
+        "translated; see [Chat Completions upstreams](#chat-completions-upstreams))",
+        choices=("responses", "chat"),
+        flat="upstream_api",
+    )
+    reasoning_dialect: str = setting(
+        "reasoning_content",
+        "chat upstreams: the message field reasoning arrives in",
+        choices=REASONING_DIALECTS,
+    )
+    reasoning_replay: str = setting(
+        "omit",
+        "chat upstreams: replayed reasoning goes on the next assistant message as this field, or is dropped (omit)",
+        choices=REASONING_REPLAYS,
+    )
+    max_tokens_field: str = setting(
+        "max_completion_tokens",
+        "chat upstreams: the request field max_output_tokens becomes",
+        choices=MAX_TOKENS_FIELDS,
+    )
+    tool_call_profile: str = setting(
+        "strict",
+        "chat upstreams: strict (tool-call stream quirks fail) or tolerant (every call on index 0, "
+        "fragments without index, calls without id)",
+        choices=TOOL_CALL_PROFILES,
+    )
+    developer_role: str = setting(
+        "developer",
+        "chat upstreams: the role developer messages are sent as",
+        choices=DEVELOPER_ROLES,
     )
 
     __post_init__ = _validate

@@ -164,6 +164,10 @@ OUTCOMES: Final[Mapping[str, Row]] = {
         "upstream protocol violation or an answer that breaks the schema or cannot be re-encoded",
         502, "upstream_invalid_response", upstream=True,
     ),
+    "translation_limit": Row(
+        "a Chat Completions reply over a translation cap (tool calls, argument bytes, events)",
+        502, "upstream_invalid_response", cap="translation", deterministic=True, upstream=True, shield=True,
+    ),
     "upstream_auth_failed": Row(
         "upstream 401 / 403 (the operator's credentials)", 502, "upstream_auth_failed", upstream=True
     ),

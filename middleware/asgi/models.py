@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from budget import Limits
+from middleware.upstream.chat.dialect import DIALECT_CHOICES
 
 ROUTE_FIELDS = frozenset(
     {
@@ -35,6 +36,13 @@ ROUTE_FIELDS = frozenset(
         "charge_model",
         "upstream_compact",
         "compact_max_output_tokens",
+        # chat: new settings
+        "upstream_api",
+        "reasoning_dialect",
+        "reasoning_replay",
+        "max_tokens_field",
+        "tool_call_profile",
+        "developer_role",
     }
 )
 
@@ -59,6 +67,13 @@ class ModelRoute:
     charge_model: str | None = None
     upstream_compact: str | None = None
     compact_max_output_tokens: int | None = None
+    # chat: new settings (None: the server's)
+    upstream_api: str | None = None
+    reasoning_dialect: str | None = None
+    reasoning_replay: str | None = None
+    max_tokens_field: str | None = None
+    tool_call_profile: str | None = None
+    developer_role: str | None = None
 
     @property
     def is_pattern(self) -> bool:
@@ -109,6 +124,11 @@ def parse_models(raw: Mapping[str, Any]) -> tuple[ModelRoute, ...]:
             raise ModelConfigError(
                 f"models.{name}.upstream_compact must be auto, upstream or gateway, got {route.upstream_compact!r}"
             )
+        for field, choices in {"upstream_api": ("responses", "chat"), **DIALECT_CHOICES}.items():
+            if getattr(route, field) not in (None, *choices):
+                raise ModelConfigError(
+                    f"models.{name}.{field} must be one of {', '.join(choices)}, got {getattr(route, field)!r}"
+                )
         tokens = route.compact_max_output_tokens
         if tokens is not None and not (isinstance(tokens, int) and 1 <= tokens <= 131_072):
             raise ModelConfigError(

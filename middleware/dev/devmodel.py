@@ -1,7 +1,8 @@
 """The embedded development model: a deterministic OpenAI Responses API server with no model inside.
 
 `create_devmodel_app()` returns a Starlette app serving ``POST /v1/responses`` (buffered JSON, or SSE
-with ``"stream": true``) and ``GET /v1/models``, complete enough for the official SDKs with strict
+with ``"stream": true``), ``POST /v1/chat/completions`` (the same answers in the Chat Completions
+shape, `middleware.dev.devchat`) and ``GET /v1/models``, complete enough for the official SDKs with strict
 response validation, including the ``client.responses.stream(...)`` helper. ``make run`` puts the
 gateway in front of it when no upstream is configured; demos and tests use it as a model whose answers
 are fixed by the request. The same request always gets the same output; only ids and timestamps vary.
@@ -299,6 +300,7 @@ def create_devmodel_app() -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/responses", _create_response, methods=["POST"]),
+            Route("/v1/chat/completions", _create_chat_completion, methods=["POST"]),
             Route("/v1/models", _list_models, methods=["GET"]),
         ],
         exception_handlers={HTTPException: _http_error},
@@ -323,6 +325,30 @@ async def _create_response(request: Request) -> Response:
     return JSONResponse(response, headers=headers)
 
 
+async def _create_chat_completion(request: Request) -> Response:
+    """``POST /v1/chat/completions``: the same answer in the Chat shape (`middleware.dev.devchat`)."""
+    from middleware.dev import devchat
+
+    try:
+        chat = json.loads(await request.body())
+        if not isinstance(chat, dict):
+            raise DevModelRequestError("the request body must be a JSON object", code="invalid_json")
+        body = parse_request(json.dumps(devchat.responses_body(chat)).encode())
+    except ValueError as exc:
+        if isinstance(exc, DevModelRequestError):
+            return _error(400, exc.message, param=exc.param, code=exc.code)
+        return _error(400, "the request body is not valid JSON", code="invalid_json")
+    response = build_response(body)
+    if body.get("stream"):
+        options = chat.get("stream_options")
+        usage = isinstance(options, dict) and options.get("include_usage") is True
+        frames = devchat.chunks(response, include_usage=usage)
+        return StreamingResponse(
+            iter(frames), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
+    return JSONResponse(devchat.completion(response))
+
+
 async def _sse_frames(response: JSONObject, request: Request) -> AsyncIterator[bytes]:
     """The answer's SSE frames; stops once the gateway has hung up (checked every 64 frames), so a
     long answer is not written into a closed socket frame by frame."""
@@ -342,7 +368,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         message = f"Unknown request URL: {request.method} {request.url.path}. The development model serves"
-        return _error(404, f"{message} POST /v1/responses and GET /v1/models.", code="unknown_url")
+        return _error(
+            404,
+            f"{message} POST /v1/responses, POST /v1/chat/completions and GET /v1/models.",
+            code="unknown_url",
+        )
     return _error(exc.status_code, str(exc.detail), code="method_not_allowed", headers=exc.headers)
 
 

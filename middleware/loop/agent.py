@@ -58,6 +58,7 @@ from middleware.ops import metrics
 from middleware.state import GatewayState
 from middleware.store.history import resolve_references, restore_history
 from middleware.tools import ResolvedTools, ToolOutcome, refuse_tool_call, run_tool_calls
+from middleware.upstream.chat.client import bind_ledger
 from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
@@ -118,7 +119,12 @@ class UpstreamRounds:
         """One round: the terminal response object (its ``status`` the terminal event's) and the
         output items."""
         upstream = self.state.upstream_for(self.ctx.route)
-        response = await self.with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
+        with bind_ledger(self.ctx.ledger):  # a Chat upstream's translation is charged to this request
+            response = await self.with_keepalive(upstream.post("/responses", body, stream=self.ctx.stream))
+            return await self._answer(response)
+
+    async def _answer(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Read one round's upstream answer (error status, SSE or buffered), then close it."""
         try:
             if response.status_code >= 400:
                 failure = status_failure(response.status_code, await read_limited(response), response.headers)

@@ -44,6 +44,7 @@ from middleware.loop.items import as_input_items
 from middleware.ops import metrics
 from middleware.state import GatewayState
 from middleware.store.history import restore_history
+from middleware.upstream.chat.client import bind_ledger
 from middleware.upstream.errors import UpstreamError, UpstreamInvalid, read_limited, status_failure
 from middleware.upstream.reader import dumps_checked, read_response_object
 
@@ -302,7 +303,8 @@ class Compaction:
             if self.request.get(field) is not None:
                 body[field] = self.request[field]
         metrics.INFERENCE_ROUNDS.observe(1)  # the one inference call of a gateway compaction
-        response = await self.upstream.post("/responses", dumps_checked(body), stream=False)
+        with bind_ledger(self.ctx.ledger):  # a Chat upstream's translation is charged to this request
+            response = await self.upstream.post("/responses", dumps_checked(body), stream=False)
         try:
             if response.status_code >= 400:
                 raise status_failure(response.status_code, await read_limited(response), response.headers)

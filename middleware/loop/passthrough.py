@@ -17,6 +17,7 @@ from middleware.loop.echo import normalise_response
 from middleware.loop.items import response_summary, synthesized_events
 from middleware.ops import metrics
 from middleware.state import GatewayState
+from middleware.upstream.chat.client import bind_ledger
 from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
@@ -54,7 +55,12 @@ class Passthrough:
         """Make the one inference call and answer it; raises failures for the guard."""
         upstream = self.state.upstream_for(self.ctx.route)
         metrics.INFERENCE_ROUNDS.observe(1)  # the pass-through path makes exactly one inference call
-        response = await upstream.post("/responses", self.ctx.raw, stream=self.ctx.stream)
+        with bind_ledger(self.ctx.ledger):  # a Chat upstream's translation is charged to this request
+            response = await upstream.post("/responses", self.ctx.raw, stream=self.ctx.stream)
+            await self._answer(response)
+
+    async def _answer(self, response: UpstreamResponse) -> None:
+        """Answer the client from the upstream's answer, then close it."""
         try:
             if response.status_code >= 400:
                 raise status_failure(response.status_code, await read_limited(response), response.headers)

@@ -60,6 +60,7 @@ CAP_LIMITS: tuple[str, ...] = (
     "websocket_lifetime",
     "websocket_idle",
     "websocket_message_size",
+    "translation",
 )
 #: ``loopwarden_cap_hits_total{transport}``: how the request came (HTTP, or a turn or the
 #: connection of a WebSocket at ``/v1/responses``; `TRANSPORT` holds the current one).
@@ -67,6 +68,22 @@ TRANSPORTS: tuple[str, ...] = ("http", "websocket")
 #: ``loopwarden_websocket_turns_total{outcome}``: how one WebSocket turn ended (its terminal
 #: event, or ``cancelled`` when the client went away or stopped reading).
 WEBSOCKET_TURN_OUTCOMES: tuple[str, ...] = ("completed", "incomplete", "failed", "cancelled")
+#: ``loopwarden_translation_failures_total{reason}`` (README "Chat Completions upstreams"): why a
+#: Chat Completions reply or request could not be translated (`middleware.upstream.chat.errors`).
+TRANSLATION_REASONS: tuple[str, ...] = (
+    "invalid_chunk",
+    "invalid_completion",
+    "missing_finish_reason",
+    "unknown_finish_reason",
+    "invalid_tool_stream",
+    "legacy_function_call",
+    "frame_after_terminal",
+    "limit_tool_calls",
+    "limit_tool_arguments",
+    "limit_events",
+    "invalid_reasoning",
+    "unsupported_request",
+)
 #: ``loopwarden_compactions_total{mode, outcome}`` (README "Compaction").
 COMPACT_MODES: tuple[str, ...] = ("upstream", "gateway")
 COMPACT_OUTCOMES: tuple[str, ...] = ("ok", "failed", "fallback")
@@ -127,7 +144,9 @@ CAP_HIT_PAIRS: tuple[tuple[str, str], ...] = (
     # WebSocket connections (middleware.asgi.websocket): an error envelope, then a close frame
     ("websocket_lifetime", "400"),  # websocket_connection_limit_reached, close 1001
     ("websocket_idle", "408"),  # no message within --websocket-idle-timeout, close 1001
-    ("websocket_message_size", "413"),  # a message over the body clamp, close 1009
+    ("websocket_message_size", "413"),
+    ("translation", "502"),  # a Chat translation cap (tool calls, argument bytes, events), before commit
+    ("translation", "sse_error"),  # the same after commit  # a message over the body clamp, close 1009
 )
 #: Cap-hit limits that only a WebSocket connection hits (pre-initialised for that transport only).
 WEBSOCKET_CAP_LIMITS: frozenset[str] = frozenset(
@@ -419,6 +438,13 @@ METRICS: Mapping[str, MetricSpec] = _metrics(
         {},
     ),
     MetricSpec(
+        "loopwarden_translation_failures_total",
+        "counter",
+        "Chat Completions translations that failed, by bounded reason (a request it cannot express, "
+        "a reply it cannot translate, a translation cap).",
+        {"reason": TRANSLATION_REASONS},
+    ),
+    MetricSpec(
         "loopwarden_compactions_total",
         "counter",
         "POST /v1/responses/compact requests, by who compacted (upstream, gateway) and outcome "
@@ -484,6 +510,7 @@ UPSTREAM_TTFB = _histogram("loopwarden_upstream_ttfb_seconds")
 ADMISSION_RESERVED = _gauge("loopwarden_admission_reserved_bytes", "livesum")
 ADMISSION_BUDGET = _gauge("loopwarden_admission_budget_bytes", "livesum")
 COMPACTIONS = _counter("loopwarden_compactions_total")
+TRANSLATION_FAILURES = _counter("loopwarden_translation_failures_total")
 MEMORY_PRESSURE = _gauge("loopwarden_memory_pressure_ratio", "livemax")
 WORKER_RSS = _gauge("loopwarden_worker_resident_memory_bytes", "livemax")
 WORKER_BASELINE_RSS = _gauge("loopwarden_worker_baseline_resident_memory_bytes", "livemax")
@@ -529,6 +556,8 @@ def _preinitialise() -> None:
         COMPACTIONS.labels(mode=mode, outcome=outcome)
     for outcome in BACKGROUND_OUTCOMES:
         BACKGROUND_OUTCOMES_TOTAL.labels(outcome=outcome)
+    for reason in TRANSLATION_REASONS:
+        TRANSLATION_FAILURES.labels(reason=reason)
 
 
 _preinitialise()

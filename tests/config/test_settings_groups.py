@@ -43,7 +43,8 @@ _OLD_FLAGS = """--api-key --api-key-file --background-event-log-bytes --backgrou
 --retry-shield-seconds --store --tool-concurrency --tool-max-result-bytes --tool-timeout --upstream
 --upstream-api-key --upstream-client --upstream-compact --upstream-connect-timeout --upstream-deadline
 --upstream-max-connections --upstream-read-timeout --websocket-idle-timeout --websocket-max-lifetime
---workers"""
+--workers
+--upstream-api --reasoning-dialect --reasoning-replay --max-tokens-field --tool-call-profile --developer-role"""
 OLD_FLAGS = _OLD_FLAGS.split()
 
 

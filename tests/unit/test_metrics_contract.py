@@ -29,9 +29,7 @@ DESIGN = ROOT.parent / "shared" / "DESIGN.md"
 METRIC_CLASSES = frozenset({"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"})
 
 #: Metrics DESIGN.md §8 declares for capabilities not built yet, with the issue that builds each.
-PENDING_METRICS: Mapping[str, str] = {
-    "loopwarden_translation_failures_total": 'issue "Chat Completions upstreams"',
-}
+PENDING_METRICS: Mapping[str, str] = {}
 #: Metrics the app registers that DESIGN.md §8 does not declare: each needs its §8 row, then
 #: leaves this mapping.
 UNDECLARED_METRICS: Mapping[str, str] = {
@@ -50,9 +48,7 @@ UNDECLARED_METRICS: Mapping[str, str] = {
 #: and translation values belong to those capabilities. (``caller_share``, issue "memory truth",
 #: and ``client_write_timeout`` / ``header_timeout`` / ``max_connections``, issue 17 "hostile
 #: network", are built: `metrics.CAP_LIMITS` values, pre-initialised.)
-PENDING_CAP_LIMITS: Mapping[str, str] = {
-    "translation": 'issue "Chat Completions upstreams"',
-}
+PENDING_CAP_LIMITS: Mapping[str, str] = {}
 #: Labels the app's metrics have that DESIGN.md §8's table does not list yet: each needs its §8
 #: entry (the capability's closing note proposes it), then leaves this mapping.
 UNDECLARED_LABELS: Mapping[str, frozenset[str]] = {

@@ -16,6 +16,7 @@ from middleware.ops.request_id import REQUEST_ID
 from middleware.ops.shield import Remembered
 from middleware.store.backends import StoreUnavailable
 from middleware.upstream import errors as up
+from middleware.upstream.chat.errors import ChatLimitExceeded
 
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT.parent / "shared" / "DESIGN.md"
@@ -54,6 +55,7 @@ EXAMPLES: dict[str, tuple[BaseException, int, str]] = {
     "request_deadline": (errors.DeadlineExceeded("late", seconds=1), 504, "request_deadline_exceeded"),
     "upstream_incomplete": (up.UpstreamIncomplete("eof"), 502, "upstream_incomplete"),
     "upstream_invalid": (up.UpstreamInvalid("bad"), 502, "upstream_invalid_response"),
+    "translation_limit": (ChatLimitExceeded("limit_tool_calls"), 502, "upstream_invalid_response"),
     "upstream_auth_failed": (
         up.status_failure(401, b'{"error":{"message":"no"}}'),
         502,
