@@ -197,7 +197,7 @@ class _Guard:
                 ledger.release_all()  # the request is over: nothing it charged is retained
                 metrics.RETAINED_PEAK.observe(ledger.peak)
                 metrics.RETAINED_UTILIZATION.observe(ledger.peak / ledger.limit)
-            metrics.publish_resident_memory()
+            metrics.publish_resident_memory_after_request()
             if self.intake.reservation is not None:
                 self.intake.reservation.close()
 
