@@ -2,9 +2,10 @@
 
 Pure ASGI (DESIGN.md §2, STYLE.md). For each request it creates the `ClientStream` (the one writer
 to ``send``), runs `Intake` (DESIGN.md §3 checks, a `RequestContext` in ``scope["loopwarden"]``),
-then supervises the inner app: the whole-request deadline, the drain timeout, the client's
-disconnect and a write to the client that has waited ``--client-write-timeout`` (the client stopped
-reading) each cancel it. Whatever ends a request — a raise, the deadline, the drain, a
+then supervises the inner app, which runs in the request's own task (`_Supervisor`: one
+disconnect watcher task, one timer handle): the whole-request deadline, the drain timeout, the
+client's disconnect and a write to the client that has waited ``--client-write-timeout`` (the
+client stopped reading) each cancel it. Whatever ends a request — a raise, the deadline, the drain, a
 disconnect — is settled here, once, through `middleware.outcomes`: its metrics and log line
 (`outcomes.record`), its stored status (`outcomes.stored_status`, through the loop's
 ``ctx.hooks.persist_failure``), and its answer (`ClientStream.fail`: the envelope before commit,
