@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -207,7 +207,7 @@ class _Guard:
         stalled client, a client gone, the deadline or the drain, or what the app raised."""
         scope = {**self.scope, "loopwarden": ctx}
         watch = _Supervisor(self.mw, self.client, self.receive, self.started_at)
-        failure = await watch.run(self.mw.app(scope, self._no_receive, self.client))
+        failure = await watch.run(self.mw.app, scope, self._no_receive, self.client)
         if watch.stalled:
             self._stalled()
             await self._persist(ctx, None)
@@ -364,12 +364,11 @@ class _Supervisor:
         self.gone = False  # the client disconnected first
         self.stalled = False  # the client stopped reading
 
-    async def run(self, work: Coroutine[Any, Any, None]) -> Exception | None:
-        """Await `work` (the inner app's call) in this task; return what it raised (None when it
+    async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> Exception | None:
+        """Run ``app(scope, receive, send)`` in this task; return what it raised (None when it
         returned, or when a reason above ended it: see ``ended``, ``gone``, ``stalled``)."""
         wake = self._due()
         if wake is None:  # over before the app ran (the deadline passed during the intake)
-            work.close()
             return None
         task = self._task = asyncio.current_task()
         assert task is not None
@@ -377,7 +376,7 @@ class _Supervisor:
         self._timer = self._loop.call_later(wake, self._fire)
         failure: Exception | None = None
         try:
-            await work
+            await app(scope, receive, send)
         except asyncio.CancelledError:
             if not self._cancelled:
                 raise
