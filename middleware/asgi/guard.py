@@ -389,6 +389,10 @@ class _Supervisor:
             if self._timer is not None:
                 self._timer.cancel()
             self._watcher.cancel()
+            # awaited: a receive's own clean-up runs before the request ends (a WebSocket turn's
+            # keeps a message that arrived meanwhile for the next turn, in order)
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
         if self._cancelled:  # the app swallowed the cancellation: undo it all the same
             task.uncancel()
         return failure
