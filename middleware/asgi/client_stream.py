@@ -147,14 +147,8 @@ class ClientStream:
         if message["type"] == "http.response.body":
             body = message.get("body", b"")
             if message.get("more_body", False):
-                if body and self._first:
-                    self._first = False
-                    await self._write(message)
-                elif body:
-                    self._frames.append(body)
-                    self._size += len(body)
-                    if self._size >= self.flush_bytes:
-                        await self.flush()
+                if body:
+                    await self._frame(body)
                 return
             if self._frames:  # the last message carries what is buffered
                 self._frames.append(body)
@@ -164,8 +158,21 @@ class ClientStream:
                 message = {"type": "http.response.body", "body": body, "more_body": False}
             await self._write(message)
             return
-        await self.flush()
+        if self._frames:
+            await self.flush()
         await self._write(message)
+
+    async def _frame(self, body: bytes) -> None:
+        """One non-empty ``more_body`` frame: the stream's first goes out at once, the others are
+        buffered until `flush` (or ``flush_bytes``)."""
+        if self._first:
+            self._first = False
+            await self._write({"type": "http.response.body", "body": body, "more_body": True})
+            return
+        self._frames.append(body)
+        self._size += len(body)
+        if self._size >= self.flush_bytes:
+            await self.flush()
 
     async def flush(self) -> None:
         """Send every buffered frame as one ``http.response.body`` message (nothing if empty)."""
@@ -193,8 +200,10 @@ class ClientStream:
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ]
-        await self({"type": "http.response.start", "status": status, "headers": head})
-        await self({"type": "http.response.body", "body": body})
+        if self._frames:  # not once committed: a JSON answer is the whole response
+            await self.flush()
+        await self._write({"type": "http.response.start", "status": status, "headers": head})
+        await self._write({"type": "http.response.body", "body": body})
 
     async def start_stream(self) -> None:
         """Commit the response as a 200 SSE stream (once)."""
@@ -203,11 +212,12 @@ class ClientStream:
 
     async def event(self, event_type: str, obj: dict[str, Any]) -> None:
         """One SSE event: `obj` gets the next ``sequence_number`` and is encoded as ``event_type``."""
-        await self.start_stream()
+        if not self.committed:
+            await self.start_stream()
         obj["sequence_number"] = self.next_sequence
         self.next_sequence += 1
         data = dumps_checked(obj)  # what the upstream sent may not re-encode (1e999)
-        await self({"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True})
+        await self._frame(encode_event(event_type, data))
 
     async def forward(
         self, event_type: str, data: bytes, obj: dict[str, Any], *, changed: bool = False
@@ -219,18 +229,20 @@ class ClientStream:
         if changed or type(sequence) is not int or sequence != self.next_sequence:
             await self.event(event_type, obj)
             return
-        await self.start_stream()
+        if not self.committed:
+            await self.start_stream()
         self.next_sequence += 1
-        await self({"type": "http.response.body", "body": encode_event(event_type, data), "more_body": True})
+        await self._frame(encode_event(event_type, data))
 
     async def forward_run(self, frames: bytes, count: int) -> None:
         """`count` upstream frames as received, in one body message: whole ``event: T\ndata:
         D\n\n`` frames that `forward` would each have sent unchanged (their ``sequence_number``
         the next `count` ones; `middleware.upstream.fastpath` decides), so the client gets the same
         bytes."""
-        await self.start_stream()
+        if not self.committed:
+            await self.start_stream()
         self.next_sequence += count
-        await self({"type": "http.response.body", "body": frames, "more_body": True})
+        await self._frame(frames)
 
     async def end(self) -> None:
         """End the stream: what is buffered, then ``data: [DONE]``, then the last message."""

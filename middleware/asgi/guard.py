@@ -2,9 +2,10 @@
 
 Pure ASGI (DESIGN.md §2, STYLE.md). For each request it creates the `ClientStream` (the one writer
 to ``send``), runs `Intake` (DESIGN.md §3 checks, a `RequestContext` in ``scope["loopwarden"]``),
-then supervises the inner app: the whole-request deadline, the drain timeout, the client's
-disconnect and a write to the client that has waited ``--client-write-timeout`` (the client stopped
-reading) each cancel it. Whatever ends a request — a raise, the deadline, the drain, a
+then supervises the inner app, which runs in the request's own task (`_Supervisor`: one
+disconnect watcher task, one timer handle): the whole-request deadline, the drain timeout, the
+client's disconnect and a write to the client that has waited ``--client-write-timeout`` (the
+client stopped reading) each cancel it. Whatever ends a request — a raise, the deadline, the drain, a
 disconnect — is settled here, once, through `middleware.outcomes`: its metrics and log line
 (`outcomes.record`), its stored status (`outcomes.stored_status`, through the loop's
 ``ctx.hooks.persist_failure``), and its answer (`ClientStream.fail`: the envelope before commit,
@@ -197,69 +198,25 @@ class _Guard:
                 ledger.release_all()  # the request is over: nothing it charged is retained
                 metrics.RETAINED_PEAK.observe(ledger.peak)
                 metrics.RETAINED_UTILIZATION.observe(ledger.peak / ledger.limit)
-            metrics.publish_resident_memory()
+            metrics.publish_resident_memory_after_request()
             if self.intake.reservation is not None:
                 self.intake.reservation.close()
 
     async def _run_inner(self, ctx: RequestContext) -> None:
+        """Run the inner app in this task under a `_Supervisor`, then settle how it ended: a
+        stalled client, a client gone, the deadline or the drain, or what the app raised."""
         scope = {**self.scope, "loopwarden": ctx}
-        work = asyncio.ensure_future(self._inner(scope))
-        watcher = asyncio.ensure_future(self._watch_disconnect())
-        deadline = self.started_at + self.mw.request_deadline
-        write_timeout = self.mw.client_write_timeout
-        ended: Exception | None = None
-        stalled = False
-        try:
-            while True:
-                now = time.monotonic()
-                drain_at = self.mw.drain.deadline if self.mw.drain.draining else None
-                if drain_at is not None and now >= drain_at:
-                    ended = ShuttingDown(
-                        "the gateway is shutting down and this request did not finish within the drain timeout "
-                        "(--drain-timeout); retry it",
-                        refused=False,
-                    )
-                    break
-                if now >= deadline:
-                    ended = DeadlineExceeded(
-                        f"the request did not finish within {self.mw.request_deadline:g} s (--request-deadline); "
-                        "ask for less work (fewer rounds, shorter answers) or raise the deadline",
-                        seconds=self.mw.request_deadline,
-                    )
-                    break
-                blocked = self.client.write_blocked_for()
-                if blocked >= write_timeout:
-                    # the client stopped reading: this write made no progress. Marked before the
-                    # work is cancelled, so that no clean-up of it writes (and waits) again
-                    stalled = self.client.stalled = True
-                    break
-                wake = min(deadline, drain_at if drain_at is not None else deadline) - now
-                if blocked:
-                    wake = min(wake, write_timeout - blocked)
-                done, _ = await asyncio.wait(
-                    {work, watcher},
-                    timeout=min(max(wake, 0.0), 1.0, write_timeout),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                if done:
-                    break
-        finally:
-            gone = not work.done() and ended is None and not stalled
-            if not work.done():
-                work.cancel()
-            watcher.cancel()
-            for task in (work, watcher):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if stalled:
+        watch = _Supervisor(self.mw, self.client, self.receive, self.started_at)
+        failure = await watch.run(self.mw.app, scope, self._no_receive, self.client)
+        if watch.stalled:
             self._stalled()
             await self._persist(ctx, None)
             return
-        if gone:
+        if watch.gone:
             outcomes.record_client_gone()
             await self._persist(ctx, None)
             return
-        failure = ended if ended is not None else work.result()
+        failure = watch.ended if watch.ended is not None else failure
         if failure is not None:
             await self._settle(failure, ctx)
 
@@ -273,14 +230,6 @@ class _Guard:
             return
         await background.answer(task, self.client, self.receive)
 
-    async def _inner(self, scope: Scope) -> Exception | None:
-        """Run the inner app; what it raised (None when it answered)."""
-        try:
-            await self.mw.app(scope, self._no_receive, self.client)
-        except Exception as exc:
-            return exc
-        return None
-
     def _stalled(self) -> None:
         """The client stopped reading: nothing more is sent to it; count it (a disconnect and a
         ``client_write_timeout`` cap hit)."""
@@ -290,12 +239,6 @@ class _Guard:
             owner=self.intake.owner,
             committed=self.client.committed,
         )
-
-    async def _watch_disconnect(self) -> None:
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                return
 
     async def _no_receive(self) -> Message:
         # The body has been consumed; the guard alone watches for http.disconnect.
@@ -374,3 +317,137 @@ class _Guard:
             self._stalled()
         except OSError:
             pass
+
+
+class _Supervisor:
+    """Runs one request's inner app in the request's own task and ends it when it must.
+
+    What ends it, as `_Guard` used to poll for it with two extra tasks per request: the
+    whole-request deadline (``started_at + request_deadline``, `time.monotonic` seconds), the drain
+    timeout (`DrainState`), a write to the client that has waited ``client_write_timeout`` seconds
+    (``stalled``; the stream is marked before the app is cancelled, so no clean-up writes again),
+    and the client's ``http.disconnect`` (``gone``). One watcher task reads ``receive``; one timer
+    handle (``loop.call_later``, re-armed at most every second, or sooner when the deadline, the
+    drain or a blocked write is due) checks the rest. Either cancels the request's task; the
+    `asyncio.CancelledError` is caught here and the task uncancelled, so the guard settles the
+    outcome in the same task. A cancellation from outside (server shutdown) propagates.
+    """
+
+    __slots__ = (
+        "_cancelled",
+        "_client",
+        "_deadline",
+        "_loop",
+        "_mw",
+        "_receive",
+        "_task",
+        "_timer",
+        "_watcher",
+        "ended",
+        "gone",
+        "stalled",
+    )
+
+    def __init__(
+        self, mw: BudgetMiddleware, client: ClientStream, receive: Receive, started_at: float
+    ) -> None:
+        self._mw = mw
+        self._client = client
+        self._receive = receive
+        self._deadline = started_at + mw.request_deadline
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task[Any] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._cancelled = False  # this supervisor cancelled the task (not yet uncancelled)
+        self.ended: Exception | None = None  # the deadline or the drain ended the request
+        self.gone = False  # the client disconnected first
+        self.stalled = False  # the client stopped reading
+
+    async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> Exception | None:
+        """Run ``app(scope, receive, send)`` in this task; return what it raised (None when it
+        returned, or when a reason above ended it: see ``ended``, ``gone``, ``stalled``)."""
+        wake = self._due()
+        if wake is None:  # over before the app ran (the deadline passed during the intake)
+            return None
+        task = self._task = asyncio.current_task()
+        assert task is not None
+        self._watcher = self._loop.create_task(self._watch())
+        self._timer = self._loop.call_later(wake, self._fire)
+        failure: Exception | None = None
+        try:
+            await app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self._cancelled:
+                raise
+            self._cancelled = False
+            if task.uncancel() > 0:
+                raise  # cancelled from outside as well
+        except Exception as exc:
+            failure = exc
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._watcher.cancel()
+            # awaited: a receive's own clean-up runs before the request ends (a WebSocket turn's
+            # keeps a message that arrived meanwhile for the next turn, in order)
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        if self._cancelled:  # the app swallowed the cancellation: undo it all the same
+            task.uncancel()
+        return failure
+
+    def _due(self) -> float | None:
+        """Seconds until the next check, or None when the request must end now (``ended`` or
+        ``stalled`` is set)."""
+        now = time.monotonic()
+        mw = self._mw
+        drain_at = mw.drain.deadline if mw.drain.draining else None
+        if drain_at is not None and now >= drain_at:
+            self.ended = ShuttingDown(
+                "the gateway is shutting down and this request did not finish within the drain timeout "
+                "(--drain-timeout); retry it",
+                refused=False,
+            )
+            return None
+        if now >= self._deadline:
+            self.ended = DeadlineExceeded(
+                f"the request did not finish within {mw.request_deadline:g} s (--request-deadline); "
+                "ask for less work (fewer rounds, shorter answers) or raise the deadline",
+                seconds=mw.request_deadline,
+            )
+            return None
+        write_timeout = mw.client_write_timeout
+        blocked = self._client.write_blocked_for()
+        if blocked >= write_timeout:
+            # the client stopped reading: this write made no progress. Marked before the work is
+            # cancelled, so that no clean-up of it writes (and waits) again
+            self.stalled = self._client.stalled = True
+            return None
+        wake = min(self._deadline, drain_at if drain_at is not None else self._deadline) - now
+        if blocked:
+            wake = min(wake, write_timeout - blocked)
+        return min(max(wake, 0.0), 1.0, write_timeout)
+
+    def _fire(self) -> None:
+        """The timer: end the request, or re-arm for the next check."""
+        self._timer = None
+        wake = self._due()
+        if wake is None:
+            self._cancel()
+        else:
+            self._timer = self._loop.call_later(wake, self._fire)
+
+    async def _watch(self) -> None:
+        """Read ``receive`` until ``http.disconnect`` (or a failing ``receive``): the client is gone."""
+        with contextlib.suppress(Exception):
+            while (await self._receive())["type"] != "http.disconnect":
+                pass
+        if self.ended is None and not self.stalled:
+            self.gone = True
+            self._cancel()
+
+    def _cancel(self) -> None:
+        if not self._cancelled and self._task is not None:
+            self._cancelled = True
+            self._task.cancel()

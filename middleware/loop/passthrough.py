@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from budget import JsonFeatures
 from middleware.loop.context import RequestContext
 from middleware.loop.echo import normalise_response
 from middleware.loop.items import response_summary, synthesized_events
@@ -81,7 +82,7 @@ class Passthrough:
         reference to the upstream's bytes is dropped first so one encoding is alive and charged
         (`admit_terminal`) — or replayed as events to a streamed call."""
         answer = await read_response_object(response, self.ctx.ledger)
-        parsed, items, body = answer.parsed, answer.items, answer.body
+        parsed, items, body, features = answer.parsed, answer.items, answer.body, answer.features
         del answer
         changed = normalise_response(parsed, self.ctx.request, created_at=self.ctx.created_at)
         if self.ctx.stream:  # a server that ignored "stream": the client still gets SSE
@@ -90,16 +91,16 @@ class Passthrough:
             return
         if changed:
             del body
-            body = dumps_checked(parsed)
-        await self._answer_json(body)
+            body, features = dumps_checked(parsed), None
+        await self._answer_json(body, features)  # unchanged: the features counted as it was read
 
     async def _synthesize_stream(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         for kind, payload in synthesized_events(response, items):
             await self.client.event(kind, {"type": kind, **payload})
         await self.client.end()
 
-    async def _answer_json(self, raw: bytes) -> None:
-        self.ctx.ledger.admit_terminal(raw)
+    async def _answer_json(self, raw: bytes, features: JsonFeatures | None = None) -> None:
+        self.ctx.ledger.admit_terminal(raw, features=features)
         await self.client.answer_json(200, raw)
 
     async def _aggregate_stream(self, response: UpstreamResponse) -> dict[str, Any]:

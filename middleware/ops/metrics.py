@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -563,12 +564,15 @@ def _preinitialise() -> None:
 _preinitialise()
 
 
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # read once
+
+
 def resident_memory_bytes() -> int:
     """This process's resident set size in bytes (``/proc/self/statm``, field 2 x page size);
     0 where ``/proc`` is missing (not Linux)."""
     try:
         with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return int(f.read().split()[1]) * _PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -580,6 +584,23 @@ def publish_resident_memory(*, baseline: bool = False) -> None:
     WORKER_RSS.set(rss)
     if baseline:
         WORKER_BASELINE_RSS.set(rss)
+
+
+_RSS_EVERY = 0.05  # seconds: the multiprocess files get this worker's RSS at most this often
+_rss_written_at = float("-inf")
+
+
+def publish_resident_memory_after_request() -> None:
+    """A request ended: with ``--workers`` > 1 (`MULTIPROCESS`) write this worker's RSS to its
+    gauge file, at most every 50 ms (`time.monotonic`); in one process nothing, as `exposition`
+    reads it at scrape time (issue 21: gauges are read at scrape time, not written per request)."""
+    global _rss_written_at
+    if not MULTIPROCESS:
+        return
+    now = time.monotonic()
+    if now - _rss_written_at >= _RSS_EVERY:
+        _rss_written_at = now
+        publish_resident_memory()
 
 
 _before_scrape: Callable[[], None] | None = None

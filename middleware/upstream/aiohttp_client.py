@@ -188,12 +188,18 @@ class _AiohttpResponse:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         content = self._response.content
+        resize = getattr(content, "set_read_chunk_size", None)  # what content.read(READ_SIZE) sets
+        if resize is not None:  # (recent aiohttp releases) each time: once is the same
+            resize(READ_SIZE)
         while True:
             try:
-                async with asyncio.timeout_at(self._deadline):
-                    # bounded: at most READ_SIZE bytes of what has arrived, so a caller that stops
-                    # (a cap hit) has been handed no more than with httpx
-                    chunk = await content.read(READ_SIZE)
+                # bounded: at most READ_SIZE bytes of what has arrived, so a caller that stops (a
+                # cap hit) has been handed no more than with httpx. Bytes that have arrived are
+                # read without a timer; only a read that has to wait runs under the deadline
+                chunk = content.read_nowait(READ_SIZE)
+                if not chunk and not content.is_eof():
+                    async with asyncio.timeout_at(self._deadline):
+                        chunk = await content.read(READ_SIZE)
             except (aiohttp.ClientError, HttpProcessingError) as exc:  # before TimeoutError (see _send)
                 failure = _translate(
                     exc, during="body", connect_timeout=self._connect_timeout, read_timeout=self._read_timeout

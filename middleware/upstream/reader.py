@@ -22,7 +22,7 @@ import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from budget import BudgetExceeded, JsonNodeCounter, JsonTooDeep, Ledger, PoolExhausted
+from budget import BudgetExceeded, JsonFeatures, JsonNodeCounter, JsonTooDeep, Ledger, PoolExhausted
 from middleware.upstream.errors import (
     UpstreamBodyTooLarge,
     UpstreamIncomplete,
@@ -515,8 +515,13 @@ class StreamAccumulator:
         self._terminal_charge = 0
 
 
-async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tuple[bytes, int]:
-    """Read a buffered (JSON) upstream body under the ledger; return ``(body, charge)``.
+async def read_buffered_body(
+    response: UpstreamResponse, ledger: Ledger
+) -> tuple[bytes, int, JsonFeatures | None]:
+    """Read a buffered (JSON) upstream body under the ledger; return ``(body, charge, features)``:
+    ``features`` are the body's `JsonFeatures` (measured charge model; None under the reference
+    model), counted once as it arrived, so whoever charges these same bytes again (the answer's
+    `Ledger.admit_terminal` when the body goes out unchanged) need not count them a second time.
 
     A ``Content-Length`` over ``ledger.limit // 8`` is refused without reading (502
     ``upstream_response_too_large``); otherwise each chunk is charged with ``admit_output`` as it
@@ -536,6 +541,7 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
             clamp=clamp,
         )
     counter = JsonNodeCounter(max_depth=MAX_UPSTREAM_DEPTH, features=model.parse is not None)
+    features: JsonFeatures | None = None
     parts: list[bytes] = []
     charge = 0
     nodes = 0
@@ -570,18 +576,20 @@ async def read_buffered_body(response: UpstreamResponse, ledger: Ledger) -> tupl
     except BaseException:
         ledger.release(charge)
         raise
-    return b"".join(parts), charge
+    return b"".join(parts), charge, features
 
 
 @dataclasses.dataclass(frozen=True)
 class ResponseBody:
     """A buffered upstream answer: its ``body`` bytes, the ``parsed`` response object, its output
-    ``items``, and ``charge`` — what keeping those items costs (the body's own charge is released)."""
+    ``items``, and ``charge`` — what keeping those items costs (the body's own charge is released);
+    ``features``: the `JsonFeatures` of ``body`` (measured charge model, else None)."""
 
     body: bytes
     parsed: dict[str, Any]
     items: list[dict[str, Any]]
     charge: int
+    features: JsonFeatures | None = None
 
 
 async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> ResponseBody:
@@ -590,7 +598,7 @@ async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> Re
 
     Raises `UpstreamInvalid` for a body that is not a JSON object.
     """
-    body, body_charge = await read_buffered_body(response, ledger)
+    body, body_charge, features = await read_buffered_body(response, ledger)
     try:
         parsed = loads_upstream(body)
     except (ValueError, RecursionError):
@@ -609,4 +617,4 @@ async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> Re
     items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
     kept = ledger.admit_accumulated(json.dumps(items, separators=(",", ":")).encode())
     ledger.release(body_charge)
-    return ResponseBody(body, parsed, items, kept)
+    return ResponseBody(body, parsed, items, kept, features)
