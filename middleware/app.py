@@ -272,9 +272,8 @@ def speaking(settings: Settings, client: UpstreamClient) -> UpstreamClient:
     `ChatUpstream` with the settings' `ChatDialect` for ``upstream_api: chat``."""
     if settings.upstream.api != "chat":
         return client
-    dialect = ChatDialect(
-        **{field: getattr(settings.upstream, field) for field in DIALECT_FIELDS}
-    )  # settings: group
+    group = settings.upstream  # settings: group
+    dialect = ChatDialect(**{field: getattr(group, field) for field in DIALECT_FIELDS})
     return ChatUpstream(client, dialect)
 
 

@@ -105,7 +105,7 @@ class ChatResponse:
     async def _buffered(self) -> AsyncIterator[bytes]:
         from middleware.upstream.reader import loads_upstream, read_buffered_body
 
-        body, charge = await read_buffered_body(self._inner, self._ledger)
+        body, charge, _features = await read_buffered_body(self._inner, self._ledger)
         try:
             try:
                 parsed = loads_upstream(body)
