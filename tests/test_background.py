@@ -218,6 +218,28 @@ def test_a_stream_resumes_with_starting_after_after_a_dropped_connection(upstrea
             assert raw.status_code == 400 and raw.json()["error"]["param"] == "starting_after", raw.text
 
 
+def test_starting_after_at_or_past_the_last_event_sends_nothing_more(upstream: MockUpstream) -> None:
+    upstream.push(Reply.sse([*PRE(), text_delta(2, "x"), DONE(3, [message_item("x")])]))
+    with gateway(upstream) as (url, _):
+        client = sdk(url)
+        events = list(client.responses.create(model="m", input="hi", background=True, stream=True))
+        response_id, last = events[0].response.id, events[-1].sequence_number
+        assert events[-1].type == "response.completed"
+        poll(client, response_id)
+        for after, wanted in ((last - 1, [last]), (last, []), (last + 1, []), (last + 1000, [])):
+            raw = httpx.get(
+                f"{url}/v1/responses/{response_id}",
+                params={"stream": "true", "starting_after": str(after)},
+                timeout=10,
+                headers=AUTH,
+            )
+            assert raw.status_code == 200, raw.text
+            got = sse_events(raw.content)
+            assert [data["sequence_number"] for _, data in got] == wanted, (after, raw.content[-300:])
+            assert raw.content.endswith(b"data: [DONE]\n\n")
+        assert [name for name, _ in got] == []
+
+
 def test_a_buffered_or_foreground_response_has_no_events_to_resume(upstream: MockUpstream) -> None:
     upstream.push(
         Reply.json(response_obj([message_item("x")])), Reply.json(response_obj([message_item("y")]))
