@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import re
 import os
 import socket
 import struct
@@ -513,6 +514,11 @@ def test_a_wrong_api_key_is_401_then_1008_and_a_saturated_pool_1013(upstream: Mo
                 ws_url(url), additional_headers={"authorization": "Bearer nope"}
             ) as ws:
                 denied = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                assert ws.response is not None
+                rid = ws.response.headers["x-request-id"]
+                assert re.fullmatch(r"req_[0-9a-f]{32}", rid), rid
+                assert denied["message"].endswith(f"[request id {rid}]"), denied
+                assert denied["error"]["message"] == denied["message"]
                 with pytest.raises(websockets.ConnectionClosed):
                     await asyncio.wait_for(ws.recv(), 10)
                 denied_code = ws.close_code
@@ -520,8 +526,11 @@ def test_a_wrong_api_key_is_401_then_1008_and_a_saturated_pool_1013(upstream: Mo
             async with websockets.connect(ws_url(url), additional_headers=auth) as busy:
                 await busy.send(create(input="hold the only slot", store=False))
                 assert json.loads(await asyncio.wait_for(busy.recv(), 10))["type"] == "response.created"
-                async with websockets.connect(ws_url(url), additional_headers=auth) as ws:
+                async with websockets.connect(
+                    ws_url(url), additional_headers={**auth, "x-request-id": "mine-1"}
+                ) as ws:
                     full = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                    assert full["message"].endswith("[request id mine-1]"), full
                     with pytest.raises(websockets.ConnectionClosed):
                         await asyncio.wait_for(ws.recv(), 10)
                 hold.set()
