@@ -13,8 +13,8 @@ import asyncio
 import base64
 import contextlib
 import json
-import re
 import os
+import re
 import socket
 import struct
 import time
