@@ -164,6 +164,25 @@ def default_upstream(settings: Settings, base_url: str) -> UpstreamClient:
     )
 
 
+def devmodel_protocol(settings: Settings) -> Callable[..., asyncio.Protocol]:
+    """The HTTP protocol the embedded development model's uvicorn serves with: the bounded h11
+    protocol (`middleware.ops.connections.protocol_factory`), so that its writes to a connection
+    the gateway closed (a cancelled background task, a client gone mid-stream) are dropped and
+    counted in ``loopwarden_dropped_writes_total`` like the gateway's own, not a burst of
+    asyncio's ``socket.send() raised exception.`` warnings. Its only client is the gateway's
+    upstream pool: at most ``--upstream-max-connections`` per pool."""
+    from middleware.ops.connections import ConnectionBounds, protocol_factory
+
+    pools = 1 + len(settings.model_routes)
+    bounds = ConnectionBounds(
+        header_timeout=settings.header_timeout,
+        max_connections=settings.upstream_max_connections * pools,
+        max_header_bytes=settings.max_header_bytes,
+        write_timeout=settings.client_write_timeout,
+    )
+    return protocol_factory("h11", bounds)
+
+
 def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
     """The process's MCP `ToolCatalog`: ``--mcp-server LABEL=URL`` entries, the ``--mcp-allow``
     prefixes, and (``demo``) the in-process demo server under the label ``demo``."""
@@ -241,7 +260,9 @@ def create_app(
 
             # its uvicorn logs from this thread: `DevModelFilter` keeps its lifecycle and access
             # lines out of the gateway's log (the warning below says it is there, once)
-            devmodel = BackgroundServer(create_devmodel_app(), thread_name=DEVMODEL_THREAD)
+            devmodel = BackgroundServer(
+                create_devmodel_app(), thread_name=DEVMODEL_THREAD, http=devmodel_protocol(settings)
+            )
             base_url = (await asyncio.to_thread(devmodel.start)) + "/v1"
             log.warning(
                 "no --upstream given: serving the embedded development model at %s "
