@@ -169,6 +169,25 @@ def default_upstream(settings: Settings, base_url: str) -> UpstreamClient:
     )
 
 
+def devmodel_protocol(settings: Settings) -> Callable[..., asyncio.Protocol]:
+    """The HTTP protocol the embedded development model's uvicorn serves with: the bounded h11
+    protocol (`middleware.ops.connections.protocol_factory`), so that its writes to a connection
+    the gateway closed (a cancelled background task, a client gone mid-stream) are dropped and
+    counted in ``loopwarden_dropped_writes_total`` like the gateway's own, not a burst of
+    asyncio's ``socket.send() raised exception.`` warnings. Its only client is the gateway's
+    upstream pool: at most ``--upstream-max-connections`` per pool."""
+    from middleware.ops.connections import ConnectionBounds, protocol_factory
+
+    pools = 1 + len(settings.model_routes)
+    bounds = ConnectionBounds(
+        header_timeout=settings.transport.header_timeout,
+        max_connections=settings.upstream.max_connections * pools,
+        max_header_bytes=settings.transport.max_header_bytes,
+        write_timeout=settings.transport.client_write_timeout,
+    )
+    return protocol_factory("h11", bounds)
+
+
 def build_catalog(settings: Settings, *, demo: bool = False) -> ToolCatalog:
     """The process's MCP `ToolCatalog`: ``--mcp-server LABEL=URL`` entries, the ``--mcp-allow``
     prefixes, and (``demo``) the in-process demo server under the label ``demo``."""
@@ -239,7 +258,7 @@ def log_charge_model(settings: Settings) -> None:
     )
 
 
-async def start_devmodel() -> tuple[BackgroundServer, str]:
+async def start_devmodel(settings: Settings) -> tuple[BackgroundServer, str]:
     """Start the embedded development model on a loopback port; returns it and its base URL
     (``http://127.0.0.1:PORT/v1``). Logs a warning that it is a scripted stand-in."""
     from middleware.dev.devmodel import create_devmodel_app
@@ -247,7 +266,9 @@ async def start_devmodel() -> tuple[BackgroundServer, str]:
 
     # its uvicorn logs from this thread: `DevModelFilter` keeps its lifecycle and access lines out
     # of the gateway's log (the warning below says it is there, once)
-    devmodel = BackgroundServer(create_devmodel_app(), thread_name=DEVMODEL_THREAD)
+    devmodel = BackgroundServer(
+        create_devmodel_app(), thread_name=DEVMODEL_THREAD, http=devmodel_protocol(settings)
+    )
     base_url = (await asyncio.to_thread(devmodel.start)) + "/v1"
     log.warning(
         "no --upstream given: serving the embedded development model at %s "
@@ -338,7 +359,7 @@ def gateway_lifespan(
         log_charge_model(settings)
         base_url = settings.upstream.url
         if base_url is None:
-            devmodel, base_url = await start_devmodel()
+            devmodel, base_url = await start_devmodel(settings)
         open_upstreams(state, base_url, upstream_factory)
         state.catalog = build_catalog(settings, demo=devmodel is not None)
         state.store = open_store(settings.store.url)

@@ -2,9 +2,9 @@
 
 `validate_request(request)` raises `InvalidRequest` (400) whose ``param`` names the field and
 whose message says what to change. It checks only what the gateway relies on or what an upstream
-would otherwise answer with a 500: types of the fields it reads, and finite, in-range numbers; and
+would otherwise answer with a 500: types of the fields it reads, and finite, in-range numbers;
 ``background: true`` with ``store: false`` (400, as OpenAI answers: a background response is
-stored).
+stored); and ``metadata`` within OpenAI's bounds (`validate_metadata`, shared with conversations).
 """
 
 from __future__ import annotations
@@ -44,6 +44,52 @@ def _check_number(name: str, value: Any) -> None:
         )
 
 
+#: OpenAI's bounds of ``metadata`` (responses and conversations alike): pairs, key and value characters.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def validate_metadata(value: object) -> dict[str, str]:
+    """The ``metadata`` of a create request or a conversation (None: ``{}``), as OpenAI bounds it:
+    at most 16 pairs, keys at most 64 characters, string values at most 512 characters.
+
+    Raises `InvalidRequest` (400) with ``param`` ``metadata`` (not an object, too many pairs, a key
+    too long) or ``metadata.<key>`` (a value not a string, or too long)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            "Invalid 'metadata': expected an object of string values.", code="invalid_type", param="metadata"
+        )
+    if len(value) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(
+            f"Invalid 'metadata': at most {MAX_METADATA_PAIRS} pairs, got {len(value)}; send fewer.",
+            code="invalid_value",
+            param="metadata",
+        )
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidRequest(
+                f"Invalid 'metadata': keys are at most {MAX_METADATA_KEY} characters, got {len(key)} "
+                f"({key[:20]!r}...); shorten it.",
+                code="invalid_value",
+                param="metadata",
+            )
+        if not isinstance(item, str):
+            raise InvalidRequest(
+                f"Invalid 'metadata.{key}': expected a string, got {type(item).__name__}.",
+                code="invalid_type",
+                param=f"metadata.{key}",
+            )
+        if len(item) > MAX_METADATA_VALUE:
+            raise InvalidRequest(
+                f"Invalid 'metadata.{key}': values are at most {MAX_METADATA_VALUE} characters, got "
+                f"{len(item)}; shorten it.",
+                code="invalid_value",
+                param=f"metadata.{key}",
+            )
+    return value
+
+
 def validate_request(request: dict[str, Any]) -> None:
     """Check the fields of a create request; raises `InvalidRequest` naming the first bad field."""
     model = request.get("model")
@@ -81,12 +127,7 @@ def validate_request(request: dict[str, Any]) -> None:
                     raise InvalidRequest(
                         f"tools[{i}].{key} must be a string", code="invalid_type", param="tools"
                     )
-    if (
-        "metadata" in request
-        and request["metadata"] is not None
-        and not isinstance(request["metadata"], dict)
-    ):
-        raise InvalidRequest("metadata must be an object", code="invalid_type", param="metadata")
+    validate_metadata(request.get("metadata"))
     for name in NUMERIC_FIELDS:
         if name in request:
             _check_number(name, request[name])

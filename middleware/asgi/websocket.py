@@ -71,7 +71,7 @@ from middleware.errors import (
 from middleware.loop.memory import ConnectionMemory
 from middleware.ops import metrics
 from middleware.ops.admission import DRAIN, DrainState, ProcessPool, RequestReservation
-from middleware.ops.request_id import REQUEST_ID
+from middleware.ops.request_id import REQUEST_ID, request_id_of
 from middleware.upstream.reader import TERMINAL_EVENTS
 
 log = logging.getLogger("loopwarden")
@@ -299,11 +299,19 @@ class _Connection:
         message = await self.receive()
         if message["type"] != "websocket.connect":
             return
-        refusal = self._refusal()
-        await self.send({"type": "websocket.accept"})
-        if refusal is not None:
-            await self._close_with(*refusal)
-            return
+        rid = request_id_of(self.scope)  # the connection's: its refusals and closes carry it
+        token = REQUEST_ID.set(rid)
+        try:
+            refusal = self._refusal()
+            await self.send({"type": "websocket.accept", "headers": [(b"x-request-id", rid.encode())]})
+            if refusal is not None:
+                await self._close_with(*refusal)
+                return
+            await self._run_accepted()
+        finally:
+            REQUEST_ID.reset(token)
+
+    async def _run_accepted(self) -> None:
         caller = self.caller = self.config.authenticator.caller(self.scope, self.owner)
         self.reservation = self.config.pool.connection_share(caller=caller)
         ledger = Ledger(self.limits.max_retained_bytes, self.config.charge_model, pool=self.reservation)

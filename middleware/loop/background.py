@@ -411,11 +411,23 @@ class BackgroundTasks:
 
 
 def _sink(event_log: EventLog | None) -> Send:
-    """The ``send`` of a task's `ClientStream`: body bytes feed the event log (a buffered
-    task's answer is dropped: it is stored, and polled)."""
+    """The ``send`` of a task's `ClientStream`: the body bytes of an SSE answer feed the event
+    log (a buffered task's answer is dropped: it is stored, and polled). A JSON answer of a
+    streamed task is a defect (`Supervisor` begins the stream before a failure): it is logged
+    and never fed, so no follower's committed SSE stream carries a bare envelope."""
+    sse = False
 
     async def send(message: Message) -> None:
-        if event_log is not None and message["type"] == "http.response.body":
-            event_log.feed(message.get("body", b""))
+        nonlocal sse
+        if event_log is None:
+            return
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers", []))
+            sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body":
+            if sse:
+                event_log.feed(message.get("body", b""))
+            else:
+                log.error("a streamed background task answered JSON; not kept in its event log")
 
     return send

@@ -188,7 +188,9 @@ def lower_compaction_window(
 
     Before the latest compaction item only user messages are kept (a ``function_call`` dropped
     there takes its later ``function_call_output`` with it: no orphaned output); every compaction
-    item is lowered (`Lowering.lower`). ``where(part, index, item)`` names an item for a 400.
+    item is lowered (`Lowering.lower`); a kept user message loses the null keys the ``openai``
+    SDK's ``model_dump()`` of a compacted window adds (`_without_sdk_nulls`). ``where(part,
+    index, item)`` names an item for a 400.
     Parts without a compaction item come back unchanged. Raises `InvalidRequest`.
     """
     flat = [(p, i, item) for p, part in enumerate(parts) for i, item in enumerate(part)]
@@ -210,5 +212,42 @@ def lower_compaction_window(
             continue
         if item.get("type") == "function_call_output" and item.get("call_id") in dropped_calls:
             continue
-        out[p].append(item)
+        out[p].append(_without_sdk_nulls(item) if n < last else item)
     return out
+
+
+#: Keys the ``openai`` SDK adds as null when it dumps a compacted window's user messages: it types
+#: ``CompactedResponse.output`` as output items, so a user message becomes a `ResponseOutputMessage`
+#: (``phase``) whose ``input_text`` parts become `ResponseOutputText` (``annotations``,
+#: ``logprobs``), which ``model_dump()`` writes back (with serializer warnings). The spec's and
+#: OpenAI's window is user messages with ``input_text`` parts, which none of these belong to.
+_SDK_NULL_MESSAGE_KEYS = frozenset({"phase"})
+_SDK_NULL_PART_KEYS = frozenset({"annotations", "logprobs"})
+
+
+def _without_sdk_nulls(item: dict[str, Any]) -> dict[str, Any]:
+    """A retained user message of a compacted window without the SDK's null artefacts
+    (`_SDK_NULL_MESSAGE_KEYS`, and `_SDK_NULL_PART_KEYS` of its ``input_*`` parts), so that the
+    upstream is sent the window's own shape; anything not null is left as the client sent it."""
+    content = item.get("content")
+    if not any(item.get(k, 0) is None for k in _SDK_NULL_MESSAGE_KEYS) and not (
+        isinstance(content, list) and any(_has_sdk_nulls(part) for part in content)
+    ):
+        return item
+    out = {k: v for k, v in item.items() if not (k in _SDK_NULL_MESSAGE_KEYS and v is None)}
+    if isinstance(content, list):
+        out["content"] = [
+            {k: v for k, v in part.items() if not (k in _SDK_NULL_PART_KEYS and v is None)}
+            if _has_sdk_nulls(part)
+            else part
+            for part in content
+        ]
+    return out
+
+
+def _has_sdk_nulls(part: Any) -> bool:
+    return (
+        isinstance(part, dict)
+        and str(part.get("type", "")).startswith("input_")
+        and any(part.get(k, 0) is None for k in _SDK_NULL_PART_KEYS)
+    )

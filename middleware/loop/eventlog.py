@@ -110,6 +110,10 @@ class EventLog:
             self.size -= len(old)
             self._uncharge(len(old))
 
+    async def last_frame(self) -> tuple[int, bytes] | None:
+        """The newest ``(seq, frame)`` of the log (None: it holds none)."""
+        return self.frames[-1] if self.frames else None
+
     def reader(self) -> PinnedReader:
         """A `FrameSource` over this log that keeps the frames it has not sent yet (close it)."""
         return PinnedReader(self)
@@ -170,6 +174,10 @@ class PinnedReader:
         self.log._evict()
         return await self.log.frames_after(after, wait)
 
+    async def last_frame(self) -> tuple[int, bytes] | None:
+        """`EventLog.last_frame`."""
+        return await self.log.last_frame()
+
     def close(self) -> None:
         """Stop holding frames."""
         self.log._pins.pop(self, None)
@@ -177,9 +185,12 @@ class PinnedReader:
 
 
 class FrameSource(Protocol):
-    """Where a follower reads frames: ``frames_after(after, wait)`` as `EventLog.frames_after`."""
+    """Where a follower reads frames: ``frames_after(after, wait)`` as `EventLog.frames_after`,
+    ``last_frame()`` as `EventLog.last_frame`."""
 
     async def frames_after(self, after: int, wait: float) -> tuple[list[tuple[int, bytes]], bool]: ...
+
+    async def last_frame(self) -> tuple[int, bytes] | None: ...
 
 
 async def follow(
@@ -192,8 +203,10 @@ async def follow(
     """Stream ``source``'s frames after ``after`` to ``client``, then ``data: [DONE]``.
 
     Keep-alive comments go out every ``client.keepalive_interval`` of silence.
-    ``on_end(seen_terminal, last_seq)`` runs before ``[DONE]`` (it may send the frames of an end
-    the log does not hold, e.g. a lease expiry). Raises `EventGap` before anything was sent (the
+    ``on_end(log_has_terminal, last_seq)`` runs before ``[DONE]``: whether the log holds a
+    terminal event and the ``seq`` of its newest frame (-1: none), whether or not this follower
+    sent them (``after`` may be at or past the end); it may send the frames of an end the log
+    does not hold, e.g. a lease expiry. Raises `EventGap` before anything was sent (the
     caller answers it); a follower that falls out of the window later just stops, without
     ``[DONE]``. Raises whatever the client's writes raise.
     """
@@ -219,5 +232,8 @@ async def follow(
         if done and not frames:
             break
     if on_end is not None:
-        await on_end(terminal, after)
+        tail = await source.last_frame()
+        last = tail[0] if tail is not None else -1
+        terminal = terminal or (tail is not None and frame_type(tail[1]) in TERMINAL_TYPES)
+        await on_end(terminal, last)
     await client.end()

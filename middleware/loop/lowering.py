@@ -36,11 +36,11 @@ item"), e.g. when the call after it was omitted at the tool cap. Pure: no I/O.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from budget import JsonInvalid, JsonTooDeep, loads_strict
 from middleware.errors import InvalidRequest
 from middleware.ids import new_id
 from middleware.loop.approvals import APPROVAL_PREFIX
@@ -153,7 +153,7 @@ def lower_input(
         outputs=set(answered) | _strings(items, "function_call_output", "call_id"),
         seen=set(known_calls),
     )
-    for item in items:
+    for index, item in enumerate(items):
         kind = item.get("type")
         if kind == "mcp_approval_response":
             rid = item.get("approval_request_id")
@@ -162,7 +162,7 @@ def lower_input(
         elif kind == "mcp_call":
             state.mcp_call(item)
         elif kind == "mcp_approval_request":
-            state.approval_request(item)
+            state.approval_request(item, f"input[{index}]")
         elif kind != "mcp_list_tools":
             if kind == "function_call" and isinstance(item.get("call_id"), str):
                 state.seen.add(item["call_id"])
@@ -199,7 +199,7 @@ class _State:
             {"type": "function_call_output", "call_id": call_id, "output": mcp_call_output(item)}
         )
 
-    def approval_request(self, item: dict[str, Any]) -> None:
+    def approval_request(self, item: dict[str, Any], param: str) -> None:
         rid = item.get("id")
         if not isinstance(rid, str) or not rid:
             if self.fresh:
@@ -217,7 +217,7 @@ class _State:
             self.out.items.append(_call(call_id, item, self.resolved))
         elif self.fresh and rid in self.answers:  # a stateless approval, to settle now
             self.seen.add(call_id)
-            call = _approved_call(call_id, item, self.resolved)
+            call = _approved_call(call_id, item, self.resolved, param)
             self.out.items.append(call)
             self.out.pending.append(call)
 
@@ -237,8 +237,12 @@ def _call(call_id: str, item: dict[str, Any], resolved: ResolvedTools | None) ->
     }
 
 
-def _approved_call(call_id: str, item: dict[str, Any], resolved: ResolvedTools | None) -> dict[str, Any]:
-    """The function call of a stateless approval, checked against the request's tools."""
+def _approved_call(
+    call_id: str, item: dict[str, Any], resolved: ResolvedTools | None, param: str
+) -> dict[str, Any]:
+    """The function call of a stateless approval (the input item at ``param``), checked against
+    the request's tools; its ``arguments`` parsed as strictly as a request body (`loads_strict`:
+    a repeated key, a lone surrogate or ``NaN`` is refused with that code)."""
     label, name = item.get("server_label"), item.get("name")
     function = (
         resolved.function_name(label, name)
@@ -254,16 +258,13 @@ def _approved_call(call_id: str, item: dict[str, Any], resolved: ResolvedTools |
             param="tools",
         )
     arguments = _arguments(item)
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        parsed = None
+    parsed = _strict_arguments(arguments, item, f"{param}.arguments")
     if not isinstance(parsed, dict):
         raise InvalidRequest(
             f"the mcp_approval_request {_text(item.get('id'))!r} has arguments that are not a JSON object; "
             "send the arguments the model gave",
             code="invalid_value",
-            param="input",
+            param=f"{param}.arguments",
         )
     assert resolved is not None
     problem = resolved.argument_problem(function, parsed)
@@ -272,9 +273,28 @@ def _approved_call(call_id: str, item: dict[str, Any], resolved: ResolvedTools |
             f"the mcp_approval_request {_text(item.get('id'))!r} has arguments that tool {_text(name)!r} "
             f"does not accept: {problem}",
             code="invalid_value",
-            param="input",
+            param=f"{param}.arguments",
         )
     return {"type": "function_call", "call_id": call_id, "name": function, "arguments": arguments}
+
+
+def _strict_arguments(arguments: str, item: dict[str, Any], param: str) -> object:
+    """``arguments`` parsed by `loads_strict` (None: not JSON at all); raises `InvalidRequest`
+    with the `JsonInvalid` code (``duplicate_key``, ``invalid_unicode``, ``invalid_number``) at
+    ``param``: the string that runs the tool must mean one thing to every parser."""
+    try:
+        return loads_strict(arguments.encode("utf-8", "surrogatepass"))
+    except JsonTooDeep:
+        return None
+    except JsonInvalid as exc:
+        if exc.code == "invalid_json":
+            return None
+        raise InvalidRequest(
+            f"the mcp_approval_request {_text(item.get('id'))!r} has arguments that are not strict JSON: "
+            f"{exc.message}",
+            code=exc.code,
+            param=param,
+        ) from None
 
 
 def drop_orphans(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

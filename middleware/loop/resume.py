@@ -4,9 +4,10 @@ As OpenAI's ``client.responses.retrieve(id, stream=True, starting_after=N)``: th
 ``sequence_number`` is greater than N (all of them without ``starting_after``), then the live
 ones until the terminal event, then ``data: [DONE]``. The source is the task's in-memory
 `EventLog` when it runs on this worker, else the event log in the store (`StoredFrames`, polled
-every heartbeat tick), which another worker or host keeps filling. When the log holds no terminal
-event at its end (the task's worker died and another stored it ``failed``), the stored end is
-sent: ``error`` + ``response.failed`` (DESIGN.md §5), or the ``response.completed`` /
+every heartbeat tick), which another worker or host keeps filling. N at or past the log's last
+event of an ended response sends nothing more than ``data: [DONE]``. When the log holds no
+terminal event at its end (the task's worker died and another stored it ``failed``), the stored
+end is sent as the event after the log's last, unless N is already at or past it: ``error`` + ``response.failed`` (DESIGN.md §5), or the ``response.completed`` /
 ``response.incomplete`` of an end stored without its frames.
 
 Refusals, answered by the store routes through `middleware.outcomes` before anything streams:
@@ -72,6 +73,10 @@ class StoredFrames:
             if time.monotonic() >= deadline:
                 return [], False
             await asyncio.sleep(self.poll)
+
+    async def last_frame(self) -> tuple[int, bytes] | None:
+        """As `EventLog.last_frame`: the newest stored ``(seq, frame)`` (None: none stored)."""
+        return await self.tables.last_event(self.response_id)
 
 
 class _Streamed(Response):
@@ -148,7 +153,7 @@ async def resume_response(tasks: BackgroundTasks, request: Request, owner: str) 
 
     async def on_end(terminal: bool, last: int) -> None:
         if not terminal:
-            await _send_stored_end(tasks, response_id, owner, client_of[0], last)
+            await _send_stored_end(tasks, response_id, owner, client_of[0], last, after)
 
     client_of: list[ClientStream] = []
 
@@ -171,23 +176,28 @@ async def resume_response(tasks: BackgroundTasks, request: Request, owner: str) 
 
 
 async def _send_stored_end(
-    tasks: BackgroundTasks, response_id: str, owner: str, client: ClientStream, last: int
+    tasks: BackgroundTasks, response_id: str, owner: str, client: ClientStream, last: int, after: int
 ) -> None:
-    """The terminal event(s) of the stored end, numbered after ``last``, when the log has none."""
+    """The terminal event(s) of the stored end, numbered from ``last + 1`` (the log holds none),
+    those numbered after ``after`` (``starting_after``) only."""
     body = await tasks.store.response_json(response_id, owner)
     if body is None:
         return
     decoded = json.loads(body)
     response: dict[str, Any] = decoded if isinstance(decoded, dict) else {}
     status = response.get("status")
-    client.next_sequence = last + 1
+    events: list[tuple[str, dict[str, Any]]] = []
     if status == "failed":
         error = response.get("error") if isinstance(response.get("error"), dict) else {}
         assert isinstance(error, dict)
         code, message = error.get("code"), error.get("message")
         flat = {"code": code, "message": message, "param": None}
-        await client.event("error", {"type": "error", **flat, "error": {"type": "server_error", **flat}})
-        await client.event("response.failed", {"type": "response.failed", "response": response})
+        events.append(("error", {"type": "error", **flat, "error": {"type": "server_error", **flat}}))
+        events.append(("response.failed", {"type": "response.failed", "response": response}))
     elif status in ("completed", "incomplete"):
         kind = f"response.{status}"
-        await client.event(kind, {"type": kind, "response": response})
+        events.append((kind, {"type": kind, "response": response}))
+    for seq, (kind, obj) in enumerate(events, start=last + 1):
+        if seq > after:
+            client.next_sequence = seq
+            await client.event(kind, obj)

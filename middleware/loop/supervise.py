@@ -4,8 +4,10 @@
 guard runs a foreground request (`middleware.asgi.guard`): the whole-request deadline, the drain
 deadline and a cancel each end it; a failure is resolved by `middleware.outcomes` (counted and
 logged once), stored ``failed`` with its error through the loop's ``persist_failure`` hook, and
-answered into the task's own `ClientStream` (the error frames land in the event log); a cancel is
-stored ``cancelled`` with the output so far (`outcomes.stored_status(None)`).
+answered into the task's own `ClientStream` (the error frames land in the event log, after a
+``response.created`` + ``response.queued`` when it failed before its first event: a streamed
+background response's failure is always SSE-framed); a cancel is stored ``cancelled`` with the
+output so far (`outcomes.stored_status(None)`).
 
 `serve_follower` streams an event log to one client (`middleware.loop.eventlog.follow`) and
 detaches — the task runs on — when the client disconnects or one write waits
@@ -128,6 +130,10 @@ class Supervisor:
     async def _settle(self, exc: Exception) -> None:
         """The one answer to ``exc``: recorded, stored, and its frames into the event log."""
         client = self.ctx.client
+        if self.task.log is not None:
+            self.task.log.charging = False  # the error frames must go in, whatever the ledger says
+            if not client.committed:
+                await self._open_stream(client)
         try:
             outcome = outcomes.resolve(exc, committed=client.committed, after_tools=self.ctx.hooks.tools_ran)
         except Exception as defect:  # the table itself failed on this input: still one answer
@@ -135,12 +141,25 @@ class Supervisor:
             outcome = outcomes.resolve(defect, committed=client.committed)
         outcomes.record(outcome, owner=self.ctx.owner)
         await self._persist(outcome)
-        if self.task.log is not None:
-            self.task.log.charging = False  # the error frames must go in, whatever the ledger says
         try:
             await client.fail(outcome)
         except Exception:
             log.exception("background response %s: its error frames could not be kept", self.task.response_id)
+
+    async def _open_stream(self, client: ClientStream) -> None:
+        """A streamed task that failed before its first event: its stream begins as a queued
+        background stream begins (``response.created`` and ``response.queued`` with the
+        ``queued`` object), so that the failure goes into the event log as the ``error`` +
+        ``response.failed`` frames of a committed stream, never as a JSON envelope: the
+        followers' 200 SSE responses are committed, and the response exists (DESIGN.md §5)."""
+        queued = self.task.queued
+        if client.snapshot is None:
+            client.snapshot = lambda: {**queued, "status": "in_progress"}
+        try:
+            for kind in ("response.created", "response.queued"):
+                await client.event(kind, {"type": kind, "response": dict(queued)})
+        except Exception:
+            log.exception("background response %s: its stream could not begin", self.task.response_id)
 
 
 async def _no_receive() -> Message:

@@ -230,11 +230,12 @@ def recommend_retained(peaks: Distribution, censored: Censored) -> Recommendatio
 
 @dataclasses.dataclass(frozen=True)
 class MemoryInputs:
-    """What memory sizing reads (bytes unless said): the peak of the live ledger sum per target,
-    the admission pool per target (all its `workers`), the largest worker's peak RSS and baseline
-    RSS, the peak share of the pool reserved, and admission cap hits (503 refusals)."""
+    """What memory sizing reads (bytes unless said): the peak of the live ledger sum per target
+    (None: not sampled, no scrape fell while a request was served), the admission pool per target
+    (all its `workers`), the largest worker's peak RSS and baseline RSS, the peak share of the
+    pool reserved, and admission cap hits (503 refusals)."""
 
-    inflight_retained_peak: float
+    inflight_retained_peak: float | None
     pool_bytes: float
     workers: int
     rss_peak: float
@@ -260,21 +261,30 @@ def plan_memory(m: MemoryInputs, max_retained_bytes: float) -> MemoryPlan:
 
     Workers: enough that the admission pool's peak fill stays under `POOL_TARGET_FILL`, one more
     when admission refused requests. Ledger need per worker: the peak live ledger sum over the
-    workers x `MEMORY_MARGIN`, at least one request at `max_retained_bytes`. Memory per worker:
-    the larger of the observed peak RSS and baseline RSS + ledger need, x `MEMORY_MARGIN`. The
+    workers x `MEMORY_MARGIN` (not sampled: 0, and the line says so), at least one request at
+    `max_retained_bytes`. Memory per worker: the larger of the observed peak RSS and baseline RSS + ledger need, x `MEMORY_MARGIN`. The
     pool per worker is what that memory holds beyond the baseline, so ledgers cannot outgrow it."""
     workers = max(1, math.ceil(m.workers * m.pool_fill_peak / POOL_TARGET_FILL))
     if m.admission_refusals > 0:
         workers = max(workers, m.workers + 1)
-    ledger_need = max(m.inflight_retained_peak / workers * MEMORY_MARGIN, max_retained_bytes)
+    peak = m.inflight_retained_peak
+    ledger_need = max((peak or 0.0) / workers * MEMORY_MARGIN, max_retained_bytes)
     need = max(m.rss_peak, m.rss_baseline + ledger_need)
     memory = int(math.ceil(need * MEMORY_MARGIN / MIB) * MIB)
     pool = int(memory - m.rss_baseline)
     current_pool = m.pool_bytes / max(1, m.workers)
+    if peak is None:
+        sampled = (
+            "peak live ledger sum not sampled (no scrape of loopwarden_inflight_retained_bytes fell while a"
+            " request was served: use a longer window or a shorter scrape interval)"
+        )
+        fill = "peak fill not sampled"
+    else:
+        sampled = f"peak live ledger sum {peak / MIB:.2f} MiB"
+        fill = f"peak fill {100 * m.pool_fill_peak:.1f} %"
     lines = [
-        f"peak live ledger sum {m.inflight_retained_peak / MIB:.2f} MiB over {m.workers} worker(s); admission pool"
-        f" {current_pool / MIB:.1f} MiB per worker, peak fill {100 * m.pool_fill_peak:.1f} % (more workers above"
-        f" {POOL_TARGET_FILL:.0%}), {m.admission_refusals:g} admission refusals",
+        f"{sampled} over {m.workers} worker(s); admission pool {current_pool / MIB:.1f} MiB per worker, {fill}"
+        f" (more workers above {POOL_TARGET_FILL:.0%}), {m.admission_refusals:g} admission refusals",
         f"worker RSS: baseline {m.rss_baseline / MIB:.1f} MiB (before any request), peak {m.rss_peak / MIB:.1f} MiB",
         f"memory per worker = max(peak RSS {m.rss_peak / MIB:.1f}, baseline {m.rss_baseline / MIB:.1f} + ledger need"
         f" {ledger_need / MIB:.1f} MiB) x {MEMORY_MARGIN:g} margin = {memory / MIB:.0f} MiB; ledger need = max(peak"

@@ -110,11 +110,14 @@ def _current_retained_limit(client: httpx.Client, url: str, window: str) -> floa
 
 
 def _memory_inputs(client: httpx.Client, url: str, window: str, workers: int) -> cap.MemoryInputs:
-    """The peaks of the memory gauges over `window` (the largest over targets) and admission refusals."""
+    """The peaks of the memory gauges over `window` (the largest over targets) and admission refusals.
+
+    Called once requests were observed (`gather`). ``loopwarden_inflight_retained_bytes`` is read
+    at scrape time, so a peak of 0 means no scrape fell while a request was served (a short run
+    between two scrapes), not that ledgers charged nothing: it is None, not sampled."""
+    inflight = _peak(client, url, f"max_over_time(loopwarden_inflight_retained_bytes[{window}])")
     return cap.MemoryInputs(
-        inflight_retained_peak=_peak(
-            client, url, f"max_over_time(loopwarden_inflight_retained_bytes[{window}])"
-        ),
+        inflight_retained_peak=inflight if inflight > 0 else None,
         pool_bytes=_peak(client, url, f"max_over_time(loopwarden_admission_budget_bytes[{window}])"),
         workers=workers,
         rss_peak=_peak(client, url, f"max_over_time(loopwarden_worker_resident_memory_bytes[{window}])"),

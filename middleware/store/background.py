@@ -21,8 +21,9 @@ How the pieces use them (`middleware.loop.background` runs the tasks):
   next heartbeat (`heartbeat`: one transaction that renews its leases and reads the flags);
 * a dead worker: `expire_leases` (run by every worker's heartbeat) stores the response of every
   running task whose lease passed ``failed`` with the given error, first writer wins;
-* events: `append_events` (batched, with the window's new low end), `read_events`, `gc` (drops the
-  logs of tasks that ended more than the retention ago; task rows stay).
+* events: `append_events` (batched, with the window's new low end), `read_events`, `first_event`,
+  `last_event`, `gc` (drops the logs of tasks that ended more than the retention ago; task rows
+  stay).
 
 Errors: `StoreUnavailable` (the database fails), as every `Store` method.
 """
@@ -217,6 +218,17 @@ class BackgroundStore:
             write=False,
         )
         return [(int(r[0]), str(r[1]).encode("utf-8")) for r in rows]
+
+    async def last_event(self, response_id: str) -> tuple[int, bytes] | None:
+        """The newest ``(seq, frame)`` of the event log (None: empty)."""
+        rows = await self.store.backend.run(
+            single(
+                "SELECT seq, frame FROM background_events WHERE response_id = ? ORDER BY seq DESC LIMIT 1",
+                (response_id,),
+            ),
+            write=False,
+        )
+        return (int(rows[0][0]), str(rows[0][1]).encode("utf-8")) if rows else None
 
     async def first_event(self, response_id: str) -> int | None:
         """The oldest kept ``seq`` of the event log (None: empty)."""

@@ -75,6 +75,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from middleware import outcomes
+from middleware.asgi.validate import validate_metadata
 from middleware.errors import InvalidRequest, NotFound
 from middleware.store.bodies import read_json_body
 from middleware.store.reads import StoreRead, StoreReads
@@ -97,10 +98,9 @@ class BackgroundRoutes(Protocol):
 MAX_BODY_BYTES = 1 << 20
 #: Items one create / add call may carry (OpenAI's limit).
 MAX_ITEMS_PER_CALL = 20
+
+
 #: OpenAI's metadata limits: pairs, key length, value length (characters).
-MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-
-
 def _answer(exc: BaseException, owner: str, retry_after: float) -> Response:
     """`exc` as the outcome table answers it (DESIGN.md §5): counted and logged, then rendered
     (``retry_after``: seconds, on the rows that send ``Retry-After``)."""
@@ -191,26 +191,6 @@ def _items(value: object, *, required: bool) -> list[dict[str, Any]]:
     return value
 
 
-def _metadata(value: object) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        _bad("Invalid 'metadata': expected an object of string values.", "metadata", "invalid_type")
-    if len(value) > MAX_METADATA_PAIRS:
-        _bad(f"Invalid 'metadata': at most {MAX_METADATA_PAIRS} pairs, got {len(value)}.", "metadata")
-    for key, item in value.items():
-        if len(key) > MAX_METADATA_KEY:
-            _bad(f"Invalid 'metadata': keys are at most {MAX_METADATA_KEY} characters.", "metadata")
-        if not isinstance(item, str):
-            _bad(f"Invalid 'metadata.{key}': expected a string.", f"metadata.{key}", "invalid_type")
-        if len(item) > MAX_METADATA_VALUE:
-            _bad(
-                f"Invalid 'metadata.{key}': values are at most {MAX_METADATA_VALUE} characters.",
-                f"metadata.{key}",
-            )
-    return value
-
-
 def store_routes(
     get_store: Callable[[], Store],
     owner_of: Callable[[Request], str],
@@ -297,7 +277,7 @@ def store_routes(
         body = await read_json_body(request, read, max_body_bytes)
         _check_fields(body, ("items", "metadata"))
         items = _items(body.get("items"), required=False)
-        metadata = _metadata(body.get("metadata"))
+        metadata = validate_metadata(body.get("metadata"))
         return _json(await store.create_conversation(owner, items=items, metadata=metadata))
 
     async def get_conversation(request: Request, store: Store, owner: str) -> Response:
@@ -339,7 +319,7 @@ def store_routes(
         _check_fields(body, ("metadata",))
         if "metadata" not in body:
             _bad("Missing required parameter: 'metadata'.", "metadata", "missing_required_parameter")
-        updated = await store.update_conversation(conversation_id, owner, _metadata(body["metadata"]))
+        updated = await store.update_conversation(conversation_id, owner, validate_metadata(body["metadata"]))
         if updated is None:
             _not_found("Conversation", conversation_id)
         return _json(updated)

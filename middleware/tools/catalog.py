@@ -28,8 +28,8 @@ keeps them open across rounds and requests; the app's lifespan ends with ``await
 same request both expose a tool of the same name (after ``allowed_tools``), *both* are renamed
 ``LABEL__name`` (the server label, two underscores, the MCP name), so neither silently wins; other
 tools keep their names. A name the upstream's grammar rejects (``calendar.get_time``; over 64
-characters) is given a conforming one that no other tool of the request has
-(`middleware.tools.names.upstream_name`, case B29). A client ``function`` tool whose name equals a
+characters) is given a conforming one that no other tool of the request has, whatever the order
+the servers list them in (`middleware.tools.names.upstream_names`, case B29). A client ``function`` tool whose name equals a
 final MCP function name is refused (``duplicate_tool_name``). ``mcp_list_tools`` and ``mcp_call``
 items always show the MCP names, and ``tools/call`` gets them; an upstream error whose ``param``
 indexes the expanded tools is re-indexed to the client's (`ResolvedTools.client_param`).
@@ -101,7 +101,7 @@ from middleware.tools.listing import (
     listing_size,
     server_identity,
 )
-from middleware.tools.names import upstream_name
+from middleware.tools.names import upstream_names
 from middleware.tools.policy import ApprovalPolicy, ToolFilter, parse_allowed_tools, parse_approval
 from middleware.tools.pool import PoolLimits, SessionPool, SessionUnavailable
 from middleware.tools.resolved import GatewayTool, ResolvedTools
@@ -210,11 +210,14 @@ def _name_functions(
     counts = Counter(t.name for ts in exposed.values() for t in ts)
     gateway: dict[str, GatewayTool] = {}
     functions: dict[str, list[dict[str, Any]]] = {}
+    wanted = [
+        t.name if counts[t.name] == 1 else f"{d.label}__{t.name}" for d in declared for t in exposed[d.label]
+    ]
+    names = iter(upstream_names(wanted, client_names))
     for d in declared:
         functions[d.label] = []
         for t in exposed[d.label]:
-            wanted = t.name if counts[t.name] == 1 else f"{d.label}__{t.name}"
-            function_name = upstream_name(wanted, client_names | gateway.keys())
+            function_name = next(names)
             if function_name in gateway:
                 other = gateway[function_name]
                 raise _bad(

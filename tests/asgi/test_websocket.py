@@ -14,6 +14,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import socket
 import struct
 import time
@@ -96,6 +97,15 @@ def settled(m: MetricDelta, name: str, want: float, **labels: str) -> float:
 # -- turns ---------------------------------------------------------------------------------------
 
 
+def _without_created_at(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`events` with every ``response.created_at`` set to 0 (each request's own second)."""
+    out = json.loads(json.dumps(events))
+    for event in out:
+        if isinstance(event.get("response"), dict) and "created_at" in event["response"]:
+            event["response"]["created_at"] = 0
+    return out
+
+
 def test_turns_are_the_sse_events_in_order_and_continue_from_connection_memory(
     upstream: MockUpstream,
 ) -> None:
@@ -117,10 +127,11 @@ def test_turns_are_the_sse_events_in_order_and_continue_from_connection_memory(
 
         first, second = run(main())
     # the same events, in the same order with the same sequence numbers, as the SSE stream
-    # (the response id is each response's own)
+    # (the response id is each response's own, and so is ``created_at``: the second each request
+    # arrived in, which differs when the two straddle a second boundary)
     http_id = sse[-1][1]["response"]["id"]
     same = [json.loads(json.dumps(obj).replace(http_id, first[-1]["response"]["id"])) for _, obj in sse]
-    assert first == same
+    assert _without_created_at(first) == _without_created_at(same)
     assert [e["type"] for e in first] == [
         "response.created",
         "response.in_progress",
@@ -507,6 +518,11 @@ def test_a_wrong_api_key_is_401_then_1008_and_a_saturated_pool_1013(upstream: Mo
                 ws_url(url), additional_headers={"authorization": "Bearer nope"}
             ) as ws:
                 denied = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                assert ws.response is not None
+                rid = ws.response.headers["x-request-id"]
+                assert re.fullmatch(r"req_[0-9a-f]{32}", rid), rid
+                assert denied["message"].endswith(f"[request id {rid}]"), denied
+                assert denied["error"]["message"] == denied["message"]
                 with pytest.raises(websockets.ConnectionClosed):
                     await asyncio.wait_for(ws.recv(), 10)
                 denied_code = ws.close_code
@@ -514,8 +530,11 @@ def test_a_wrong_api_key_is_401_then_1008_and_a_saturated_pool_1013(upstream: Mo
             async with websockets.connect(ws_url(url), additional_headers=auth) as busy:
                 await busy.send(create(input="hold the only slot", store=False))
                 assert json.loads(await asyncio.wait_for(busy.recv(), 10))["type"] == "response.created"
-                async with websockets.connect(ws_url(url), additional_headers=auth) as ws:
+                async with websockets.connect(
+                    ws_url(url), additional_headers={**auth, "x-request-id": "mine-1"}
+                ) as ws:
                     full = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                    assert full["message"].endswith("[request id mine-1]"), full
                     with pytest.raises(websockets.ConnectionClosed):
                         await asyncio.wait_for(ws.recv(), 10)
                 hold.set()

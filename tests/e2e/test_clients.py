@@ -189,14 +189,27 @@ def test_stateless_denial_feeds_the_refusal_and_runs_nothing(upstream: MockUpstr
         (
             {"server_label": "tools", "name": "charge", "arguments": '{"amount":"lots"}'},
             [ALWAYS],
-            "input",
+            "input[0].arguments",
             "not of type",
         ),
         (
             {"server_label": "tools", "name": "charge", "arguments": "[1]"},
             [ALWAYS],
-            "input",
+            "input[0].arguments",
             "not a JSON object",
+        ),
+        # a repeated key: the schema check saw one value, the tool may read the other
+        (
+            {"server_label": "tools", "name": "charge", "arguments": '{"amount":1,"amount":1000000}'},
+            [ALWAYS],
+            "input[0].arguments",
+            'duplicate key "amount"',
+        ),
+        (
+            {"server_label": "tools", "name": "charge", "arguments": '{"amount":NaN}'},
+            [ALWAYS],
+            "input[0].arguments",
+            "NaN",
         ),
     ],
 )

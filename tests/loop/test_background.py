@@ -212,6 +212,63 @@ def test_a_stream_resumes_with_starting_after_after_a_dropped_connection(upstrea
             assert raw.status_code == 400 and raw.json()["error"]["param"] == "starting_after", raw.text
 
 
+def test_starting_after_at_or_past_the_last_event_sends_nothing_more(upstream: MockUpstream) -> None:
+    upstream.push(Reply.sse([*PRE(), text_delta(2, "x"), DONE(3, [message_item("x")])]))
+    with gateway(upstream) as (url, _):
+        client = sdk(url)
+        events = list(client.responses.create(model="m", input="hi", background=True, stream=True))
+        response_id, last = events[0].response.id, events[-1].sequence_number
+        assert events[-1].type == "response.completed"
+        poll(client, response_id)
+        for after, wanted in ((last - 1, [last]), (last, []), (last + 1, []), (last + 1000, [])):
+            raw = httpx.get(
+                f"{url}/v1/responses/{response_id}",
+                params={"stream": "true", "starting_after": str(after)},
+                timeout=10,
+                headers=AUTH,
+            )
+            assert raw.status_code == 200, raw.text
+            got = sse_events(raw.content)
+            assert [data["sequence_number"] for _, data in got] == wanted, (after, raw.content[-300:])
+            assert raw.content.endswith(b"data: [DONE]\n\n")
+        assert [name for name, _ in got] == []
+
+
+def test_a_streamed_background_create_failing_before_its_first_event_streams_sse_frames(
+    upstream: MockUpstream,
+) -> None:
+    """The upstream refuses the task's first round (nothing streamed yet): the create's 200 SSE
+    stream (the response exists: stored queued, with its id) is response.created,
+    response.queued, error, response.failed and [DONE], as is its resume; the response is stored
+    failed with the same error."""
+    spec_schema.require_spec()
+    refusal = {"error": {"message": "nope", "type": "invalid_request_error", "param": None, "code": "bad"}}
+    upstream.push(Reply.json(refusal, status=400))
+    with gateway(upstream) as (url, _):
+        raw = httpx.post(
+            f"{url}/v1/responses",
+            json={"model": "m", "input": "hi", "background": True, "stream": True},
+            headers=AUTH,
+            timeout=20,
+        )
+        assert raw.status_code == 200 and raw.headers["content-type"].startswith("text/event-stream")
+        assert raw.content.endswith(b"data: [DONE]\n\n") and b"\n\n{" not in raw.content, raw.content[:300]
+        events = sse_events(raw.content)
+        names = [name for name, _ in events]
+        assert names == ["response.created", "response.queued", "error", "response.failed"], raw.content[:500]
+        assert [data["sequence_number"] for _, data in events] == [0, 1, 2, 3]
+        spec_schema.assert_stream(events)
+        response_id = events[0][1]["response"]["id"]
+        assert events[0][1]["response"]["status"] == "queued"
+        assert events[2][1]["code"] == "bad" and events[3][1]["response"]["error"]["code"] == "bad"
+        stored = poll(sdk(url), response_id)
+        assert stored.status == "failed" and stored.error is not None and stored.error.code == "bad"
+        again = httpx.get(
+            f"{url}/v1/responses/{response_id}", params={"stream": "true"}, headers=AUTH, timeout=10
+        )
+        assert [name for name, _ in sse_events(again.content)] == names
+
+
 def test_a_buffered_or_foreground_response_has_no_events_to_resume(upstream: MockUpstream) -> None:
     upstream.push(
         Reply.json(response_obj([message_item("x")])), Reply.json(response_obj([message_item("y")]))

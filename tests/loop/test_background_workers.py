@@ -162,6 +162,23 @@ def test_a_killed_workers_task_is_marked_failed_after_its_lease(
             assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
             assert events[-2][1]["code"] == "background_worker_lost"
             assert json.dumps(events[-1][1]["response"]["error"]["code"]) == '"background_worker_lost"'
+            # the stored end stands in for the two events after the log's last: resumed past
+            # one of them, only the rest; past both, nothing more
+            end = len(events) - 2
+            for after, wanted in (
+                (end - 1, ["error", "response.failed"]),
+                (end, ["response.failed"]),
+                (end + 1, []),
+            ):
+                raw = httpx.get(
+                    f"{url_b}/v1/responses/{response_id}",
+                    params={"stream": "true", "starting_after": str(after)},
+                    headers=AUTH,
+                    timeout=10,
+                )
+                tail = sse_events(raw.content)
+                assert [name for name, _ in tail] == wanted, (after, raw.content[-300:])
+                assert [data["sequence_number"] for _, data in tail] == list(range(after + 1, len(events)))
     finally:
         release.set()
 

@@ -145,6 +145,25 @@ def test_round_trip_continues_from_the_compacted_window(upstream: MockUpstream) 
         assert "compaction" not in request.body.decode() and "lwc1." not in request.body.decode()
 
 
+def test_a_window_resent_through_the_sdks_model_dump_reaches_the_upstream_in_its_own_shape(
+    upstream: MockUpstream,
+) -> None:
+    """The SDK types the window as output items: its user messages dump with ``phase: None`` and
+    their ``input_text`` parts with ``annotations: None, logprobs: None`` (and serializer warnings:
+    the spec's and OpenAI's window has user messages with input_text parts, which the SDK's
+    ResponseOutputMessage cannot hold). The upstream gets the window's own shape back."""
+    upstream.push(summary_reply(), summary_reply("ok"))
+    with gateway(upstream, upstream_compact="gateway") as (url, _), sdk(url) as client:
+        parsed, answer = compact_raw(client, model="m", input=CONVERSATION)
+        dumped = [item.model_dump(warnings=False) for item in parsed.output]
+        assert dumped[0]["phase"] is None and dumped[0]["content"][0]["annotations"] is None  # the SDK's
+        r = client.responses.create(model="m", input=[*dumped, user("next")], store=False)
+    assert r.output_text == "ok"
+    sent = upstream.requests[1].json()["input"]
+    assert sent[:2] == answer["output"][:2]  # exactly what /v1/responses/compact answered
+    assert sent[2]["role"] == "assistant" and sent[3] == user("next")
+
+
 def test_compact_restores_previous_response_id_for_its_owner_only(upstream: MockUpstream) -> None:
     upstream.push(summary_reply("Lisbon it is"), summary_reply())
     with gateway(upstream, upstream_compact="gateway") as (url, _), sdk(url) as client:

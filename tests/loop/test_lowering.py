@@ -235,15 +235,25 @@ def test_history_never_runs_an_approval() -> None:
 
 
 @pytest.mark.parametrize(
-    ("arguments", "match"),
-    [('{"q":1}', "not of type"), ('{"z":"x"}', "Additional properties"), ("nope", "JSON object")],
+    ("arguments", "match", "code"),
+    [
+        ('{"q":1}', "not of type", "invalid_value"),
+        ('{"z":"x"}', "Additional properties", "invalid_value"),
+        ("nope", "JSON object", "invalid_value"),
+        ('{"q":"x","q":"y"}', 'duplicate key "q"', "duplicate_key"),
+        ('{"q":"x","\\u0071":"y"}', 'duplicate key "q"', "duplicate_key"),  # equal once unescaped
+        ('{"q":"\\ud800"}', "surrogate", "invalid_unicode"),
+    ],
 )
-def test_stateless_approval_arguments_are_checked_against_the_schema(arguments: str, match: str) -> None:
+def test_stateless_approval_arguments_are_checked_against_the_schema(
+    arguments: str, match: str, code: str
+) -> None:
+    message = {"type": "message", "role": "user", "content": "first"}
     request = {**_approval("9", ("tools", "lookup")), "arguments": arguments}
     answer = {"type": "mcp_approval_response", "approval_request_id": request["id"], "approve": True}
     with pytest.raises(InvalidRequest, match=match) as info:
-        lower_input([request, answer], resolved())
-    assert info.value.param == "input"
+        lower_input([message, request, answer], resolved())
+    assert (info.value.param, info.value.code) == ("input[1].arguments", code)
 
 
 def test_hostile_field_types_do_not_crash() -> None:

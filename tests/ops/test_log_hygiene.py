@@ -178,3 +178,34 @@ def test_readme_lists_every_exported_metric() -> None:
         if f"`{name.removeprefix('loopwarden_')}" not in section and name not in section
     ]
     assert missing == [], f"README's Metrics section does not list {missing}"
+
+
+def test_the_development_models_writes_after_a_cancel_are_dropped_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A streamed background response from the embedded development model whose client stops
+    reading, then is cancelled: the gateway closes its upstream connection while the development
+    model's uvicorn is still writing the answer (one delta per word). Those writes are dropped
+    and counted, not a burst of asyncio's ``socket.send() raised exception.`` from its thread."""
+    from middleware.app import create_app
+    from tests.asgi.test_slow_clients import non_reading_client
+
+    settings = Settings(
+        upstream=None, store="memory", client_write_timeout=2.0, max_retained_bytes=268_435_456
+    )
+    caplog.set_level(logging.WARNING, logger="asyncio")
+    m = MetricDelta()
+    body = {"model": "dev", "input": "word " * 180_000, "stream": True, "background": True}
+    with (
+        serve_asgi(create_app(settings), **connection_options(settings)) as url,
+        non_reading_client(url, body) as response_id,
+    ):
+        time.sleep(1.0)  # the answer streams: 180,000 deltas (a body under aiohttp's 1 MiB warning)
+        cancelled = httpx.post(f"{url}/v1/responses/{response_id}/cancel", timeout=20).json()
+        assert cancelled["status"] == "cancelled", cancelled.get("error")
+        deadline = time.monotonic() + 15
+        while m.delta("loopwarden_dropped_writes_total") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    warnings = [r for r in caplog.records if "socket.send() raised exception" in r.getMessage()]
+    assert warnings == [], [(r.threadName, r.getMessage()) for r in warnings[:3]]
+    assert m.delta("loopwarden_dropped_writes_total") >= 1

@@ -8,14 +8,21 @@ against the known answer.
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
+from urllib.parse import parse_qs
 
+import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from middleware.ops import capacity as cap
+from middleware.ops import capacity_data
 from middleware.ops.capacity import Censored, Distribution, stop_share
 from middleware.ops.metrics import RETAINED_BYTES_BUCKETS, ROUNDS_BUCKETS
+from tests.servers import serve_asgi
 
 EPS = 1e-9
 
@@ -122,6 +129,52 @@ def test_retained_recommendation_fits_the_largest_peak_and_keeps_a_limit_against
     near = histogram([60 * mib] * 10, RETAINED_BYTES_BUCKETS)
     raised = cap.recommend_retained(near, Censored(5, 64 * mib, at_cap=False))
     assert raised.value == 128 * mib and "unknown" in raised.reason
+
+
+def test_memory_plan_says_not_sampled_rather_than_a_zero_peak() -> None:
+    """A short run between two scrapes: every scrape of the live ledger sum read 0."""
+    mib = cap.MIB
+    m = cap.MemoryInputs(None, 512 * mib, 1, 90 * mib, 80 * mib, 0.0, admission_refusals=0)
+    plan = cap.plan_memory(m, 8 * mib)
+    assert plan.lines[0].startswith("peak live ledger sum not sampled (no scrape of"), plan.lines[0]
+    assert "0.00 MiB" not in plan.lines[0] and "peak fill not sampled" in plan.lines[0]
+    assert plan.memory_per_worker == math.ceil(max(90, 80 + 8) * 1.25) * mib  # one request at the limit
+    sampled = cap.plan_memory(cap.MemoryInputs(3 * mib, 512 * mib, 1, 90 * mib, 80 * mib, 0.0, 0), 8 * mib)
+    assert sampled.lines[0].startswith("peak live ledger sum 3.00 MiB over 1 worker(s)")
+
+
+def _scripted_prometheus(inflight: float) -> Any:
+    """A scripted Prometheus query API (a stand-in, like the model server): every instant query
+    answers one sample, ``inflight`` for the live ledger sum's ``max_over_time``, else 1."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        query = parse_qs(scope["query_string"].decode())["query"][0]
+        value = inflight if "loopwarden_inflight_retained_bytes" in query else 1.0
+        body = {
+            "status": "success",
+            "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, str(value)]}]},
+        }
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+    return serve_asgi(app, lifespan="off")
+
+
+@pytest.mark.parametrize(("scraped", "peak"), [(0.0, None), (2.5 * cap.MIB, 2.5 * cap.MIB)])
+def test_a_zero_live_ledger_peak_over_a_window_with_requests_is_not_sampled(
+    scraped: float, peak: float | None
+) -> None:
+    with _scripted_prometheus(scraped) as url, httpx.Client(timeout=10) as client:
+        m = capacity_data._memory_inputs(client, url, "5m", 1)
+    assert m.inflight_retained_peak == peak
 
 
 def test_memory_plan_states_workers_memory_and_margin() -> None:
