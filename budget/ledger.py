@@ -12,6 +12,7 @@ awaits. An optional process-wide pool can draw the same amounts in the same sync
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from .errors import BudgetExceeded, ConfigError, Phase, PoolExhausted
@@ -269,6 +270,21 @@ class Ledger:
             return self._commit("accumulated", m.measured_accumulated(raw, f, store))
         self._fits("accumulated", m.accumulated_charge(n, 0, store))
         return self._commit("accumulated", m.accumulated_charge(n, self._nodes(data, nodes), store))
+
+    def admit_accumulated_texts(self, texts: Sequence[bytes]) -> list[int]:
+        """`admit_accumulated` ``(text, nodes=0)`` for each delta text of `texts` (UTF-8 bytes) in
+        one commit: returns each text's charge, what `admit_accumulated` would return for it, in
+        order. All or nothing: raises `BudgetExceeded` (phase ``accumulated``) or `PoolExhausted`
+        when their sum does not fit, changing nothing. When the sum fits, so does every one of
+        the one-by-one admissions it replaces (each adds to the total), so the stream fast path
+        (store on) admits a run of deltas with one check and leaves the refusals to them."""
+        m, store = self._model, self._store
+        if m.parse is not None:
+            charges = [m.measured_accumulated(text, None, store) for text in texts]
+        else:
+            charges = [m.accumulated_charge(len(text), 0, store) for text in texts]
+        self._commit("accumulated", sum(charges))
+        return charges
 
     def admit_terminal(self, serialized: BytesLike, *, features: JsonFeatures | None = None) -> int:
         """Charge encoding the final response: reference ``4*len`` (+ ``2*len`` with store);

@@ -120,7 +120,9 @@ class AgentLoop:
         )
         self.rounds_observed = False
         self._round_acc: StreamAccumulator | None = None
+        self._live_acc: StreamAccumulator | None = None  # the streamed round being read
         self._round_charge = 0
+        self.recorder.seen = self._seen
 
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -303,6 +305,14 @@ class AgentLoop:
             self.ctx.ledger.release(self._round_charge)
             self._round_charge = 0
 
+    def _seen(self) -> list[dict[str, Any]]:
+        """What the client saw of a streamed round that has not ended (`StreamStitcher.seen_items`):
+        stored after the items so far when the response is stored before the round ends."""
+        acc, stitcher = self._live_acc, self.stitcher
+        if acc is None or stitcher is None:
+            return []
+        return stitcher.seen_items(acc.delta_text, acc.items)
+
     async def _run_tools(self, calls: Sequence[dict[str, Any]]) -> list[ToolOutcome]:
         if not calls:
             return []
@@ -453,8 +463,18 @@ class AgentLoop:
 
     async def _round_stream(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         acc = StreamAccumulator(self.ctx.ledger)
-        forward = self.stitcher.forward if self.stitcher is not None else None
-        await read_round(response, self.ctx.ledger, client=self.client, acc=acc, on_event=forward)
+        stitcher = self.stitcher
+        self._live_acc = acc  # the round so far, for a response stored before it ends (`_seen`)
+        await read_round(
+            response,
+            self.ctx.ledger,
+            client=self.client,
+            acc=acc,
+            on_event=None if stitcher is None else stitcher.forward,
+            on_run=None if stitcher is None else self.client.forward_run,  # the fast path
+            accept=None if stitcher is None else stitcher.fast_count,
+        )
+        self._live_acc = None
         if acc.terminal is None:  # a terminal event without a response object
             raise no_terminal_event()
         # The terminal event's type is the round's status: a response.failed / .incomplete never

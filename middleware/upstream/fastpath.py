@@ -185,13 +185,13 @@ def _vectorised(
     if set(map(type, decoded)) != {dict}:
         return None
     kinds = [names[name] for name in heads]
-    types = [head.get("type") for head in decoded]
-    sequences = [head.get("sequence_number") for head in decoded]
+    types = list(map(dict.get, decoded, repeat("type")))
+    sequences = list(map(dict.get, decoded, repeat("sequence_number")))
     # list compares first (`[0.0, True] == [0, 1]` in Python: the types are checked too)
     if (
         types != kinds
         or sequences != list(range(next_sequence, next_sequence + count))
-        or not all([type(sequence) is int for sequence in sequences])
+        or set(map(type, sequences)) != {int}
         or list(map(len, decoded)) != list(map(bytes.count, datas, repeat(b":")))
     ):
         count = _settle(datas, decoded, kinds, next_sequence)

@@ -314,19 +314,19 @@ class _FastPath:
         (True), else change nothing (False). What the accumulator keeps is admitted first, so the
         bound is checked on top of all of it: at least every check the exact path makes."""
         acc, ledger = self._fast.acc, self._ledger
-        staged = acc.stage(heads) if acc is not None else []
-        if staged is None:
-            return False
-        if not ledger.stream_read_fits(len(chunk), widest):
-            acc.unstage(staged) if acc is not None else None
+        staged = acc.stage(heads) if acc is not None else None
+        if acc is not None and staged is None:
             return False
         try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
-            charge = ledger.admit_stream_bytes(widest)
+            charge = ledger.admit_stream_bytes(widest) if ledger.stream_read_fits(len(chunk), widest) else -1
         except (BudgetExceeded, PoolExhausted):
-            acc.unstage(staged) if acc is not None else None
+            charge = -1
+        if charge < 0:
+            if acc is not None and staged is not None:
+                acc.unstage(staged)
             return False
         try:
-            if acc is not None:
+            if acc is not None and staged is not None:
                 acc.keep(staged)
             await self._fast.on_run(chunk if end == len(chunk) else chunk[:end], count)
         finally:
@@ -539,6 +539,10 @@ async def read_round(
     raise no_terminal_event()
 
 
+#: What `StreamAccumulator.stage` admitted: ``(output_index, delta text)`` pairs and their charges.
+Staged = tuple[list[tuple[int, str]], list[int]]
+
+
 class StreamAccumulator:
     """What one streamed round keeps, charged to the ledger (DESIGN.md §4 "streaming" rows).
 
@@ -589,33 +593,40 @@ class StreamAccumulator:
             self.terminal = obj["response"]
             self.terminal_type = kind
 
-    def stage(self, heads: list[dict[str, Any]]) -> list[tuple[int, str, int]] | None:
+    def stage(self, heads: list[dict[str, Any]]) -> Staged | None:
         """Admit what `apply` would keep of frames forwarded as received (their decoded JSON
-        objects `heads`, none an item or terminal event): each delta text, charged exactly as
-        `apply` charges it, in order. All or nothing: returns the staged ``(output_index, text,
-        charge)`` for `keep`, or None when one does not fit (`BudgetExceeded` or `PoolExhausted`
-        caught; what was admitted is released, the ledger is as before)."""
-        staged: list[tuple[int, str, int]] = []
-        admit = self.ledger.admit_accumulated
+        objects `heads`, none an item or terminal event): each delta text, charged as `apply`
+        charges it (`budget.Ledger.admit_accumulated_texts`: one commit). All or nothing: returns
+        the staged ``(output_index, text)`` pairs and their charges for `keep`, or None when they
+        do not fit (`BudgetExceeded` or `PoolExhausted` caught; the ledger is as before)."""
+        kept = [
+            (head["output_index"], head["delta"])
+            for head in heads
+            if isinstance(head.get("delta"), str)
+            and isinstance(head.get("output_index"), int)
+            and head["type"].endswith(".delta")
+        ]
         try:
-            for head in heads:
-                delta, index = head.get("delta"), head.get("output_index")
-                if isinstance(delta, str) and isinstance(index, int) and head["type"].endswith(".delta"):
-                    staged.append((index, delta, admit(delta.encode(), nodes=0)))
+            charges = self.ledger.admit_accumulated_texts([text.encode() for _, text in kept])
         except (BudgetExceeded, PoolExhausted):
-            self.unstage(staged)
             return None
-        return staged
+        return kept, charges
 
-    def keep(self, staged: list[tuple[int, str, int]]) -> None:
+    def keep(self, staged: Staged) -> None:
         """Keep what `stage` admitted, as `apply` keeps delta text."""
-        for index, text, charge in staged:
+        kept, charges = staged
+        if len({index for index, _ in kept}) == 1:  # the usual run: the deltas of one item
+            index = kept[0][0]
+            self._delta_charges[index] = self._delta_charges.get(index, 0) + sum(charges)
+            self._deltas.setdefault(index, []).extend([text for _, text in kept])
+            return
+        for (index, text), charge in zip(kept, charges, strict=True):
             self._delta_charges[index] = self._delta_charges.get(index, 0) + charge
             self._deltas.setdefault(index, []).append(text)
 
-    def unstage(self, staged: list[tuple[int, str, int]]) -> None:
+    def unstage(self, staged: Staged) -> None:
         """Release what `stage` admitted (the frames go to the exact path instead)."""
-        self.ledger.release(sum(charge for _, _, charge in staged))
+        self.ledger.release(sum(staged[1]))
 
     def delta_text(self, index: int) -> str:
         """The delta text kept for the item at `index` so far ("" when none)."""
