@@ -272,17 +272,15 @@ class Ledger:
         return self._commit("accumulated", m.accumulated_charge(n, self._nodes(data, nodes), store))
 
     def admit_accumulated_texts(self, texts: Sequence[bytes]) -> list[int]:
-        """`admit_accumulated` ``(text, nodes=0)`` for each delta text of `texts` (UTF-8 bytes) in
-        one commit: returns each text's charge, what `admit_accumulated` would return for it, in
-        order. All or nothing: raises `BudgetExceeded` (phase ``accumulated``) or `PoolExhausted`
-        when their sum does not fit, changing nothing. When the sum fits, so does every one of
-        the one-by-one admissions it replaces (each adds to the total), so the stream fast path
-        (store on) admits a run of deltas with one check and leaves the refusals to them."""
+        """`admit_accumulated` ``(text, nodes=0)`` of each delta text (UTF-8) in one commit; returns
+        each one's charge, in order. All or nothing (`BudgetExceeded`, `PoolExhausted`): when the
+        sum fits, so does each one-by-one admission it replaces (the stream fast path, store on)."""
         m, store = self._model, self._store
-        if m.parse is not None:
-            charges = [m.measured_accumulated(text, None, store) for text in texts]
-        else:
-            charges = [m.accumulated_charge(len(text), 0, store) for text in texts]
+        measured = m.parse is not None
+        charges = [
+            m.measured_accumulated(t, None, store) if measured else m.accumulated_charge(len(t), 0, store)
+            for t in texts
+        ]
         self._commit("accumulated", sum(charges))
         return charges
 

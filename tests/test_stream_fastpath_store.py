@@ -15,6 +15,7 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +25,7 @@ from middleware.loop.stitcher import StreamStitcher
 from middleware.tools import ResolvedTools
 from middleware.upstream.errors import UpstreamError
 from middleware.upstream.reader import StreamAccumulator, read_round
-from tests.test_stream_fastpath import _ALSO_REGULAR, _CONSERVATIVE, _IRREGULAR, _Response, _frame, _numbered
+from tests.test_stream_fastpath import _ALSO_REGULAR, _CONSERVATIVE, _IRREGULAR, _frame, _numbered, _Response
 
 REQUEST = {"model": "m", "input": "x", "stream": True}
 MESSAGE = {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress", "content": []}
@@ -209,3 +210,21 @@ def test_the_delta_text_is_charged_as_the_exact_path_charges_it() -> None:
     assert fast[3] == exact[3]
     assert fast[4] == 1
     assert fast[3] >= 20 * 2 * 32 * 4  # the kept text at least (plus the added item's snapshot)
+
+
+@pytest.mark.parametrize("model", ["reference", "measured"])
+def test_admit_accumulated_texts_charges_each_text_as_admit_accumulated_does(model: str) -> None:
+    texts = [b"", b"abc", "wörld".encode(), "\U0001f600".encode(), b"x" * 5000]
+    one_by_one = Ledger(64 << 20, model=ChargeModel.named(model), store=True)
+    expected = [one_by_one.admit_accumulated(text, nodes=0) for text in texts]
+    ledger = Ledger(64 << 20, model=ChargeModel.named(model), store=True)
+    assert ledger.admit_accumulated_texts(texts) == expected
+    assert ledger.charged == one_by_one.charged == sum(expected) > 0
+
+
+def test_admit_accumulated_texts_is_all_or_nothing() -> None:
+    ledger = Ledger(4096 * 24, store=True)
+    charges = ledger.admit_accumulated_texts([b"x" * 100])
+    with pytest.raises(BudgetExceeded):
+        ledger.admit_accumulated_texts([b"y" * 10, b"z" * 4096 * 24])  # the first alone would fit
+    assert ledger.charged == sum(charges)
