@@ -192,26 +192,36 @@ def _vectorised(
         types != kinds
         or sequences != list(range(next_sequence, next_sequence + count))
         or set(map(type, sequences)) != {int}
-        or list(map(len, decoded)) != list(map(bytes.count, datas, repeat(b":")))
     ):
         count = _settle(datas, decoded, kinds, next_sequence)
+    count = _unrepeated(datas[:count], decoded[:count])
     if not count:
         return _NONE
     return sum(map(len, frames[:count])) + 2 * count, count, max(map(len, datas[:count])), decoded[:count]
 
 
 def _settle(datas: list[bytes], decoded: list[dict[str, Any]], kinds: list[str], next_sequence: int) -> int:
-    """The number of leading frames that pass `_vectorised`'s field checks one by one."""
-    for i, (data, head, kind) in enumerate(zip(datas, decoded, kinds, strict=True)):
+    """The number of leading frames whose type and ``sequence_number`` pass one by one."""
+    for i, (head, kind) in enumerate(zip(decoded, kinds, strict=True)):
         sequence = head.get("sequence_number")
-        if (
-            head.get("type") != kind
-            or type(sequence) is not int
-            or sequence != next_sequence + i
-            or not no_duplicate_keys(data, head)
-        ):
+        if head.get("type") != kind or type(sequence) is not int or sequence != next_sequence + i:
             return i
     return len(datas)
+
+
+def _unrepeated(datas: list[bytes], decoded: list[dict[str, Any]]) -> int:
+    """The number of leading frames that provably repeat no key (`no_duplicate_keys`): a flat
+    frame is settled by a list compare of key and ``:`` counts, only the others are walked."""
+    differs = list(map(int.__ne__, list(map(len, decoded)), list(map(bytes.count, datas, repeat(b":")))))
+    at = 0
+    while True:
+        try:
+            at = differs.index(True, at)
+        except ValueError:
+            return len(datas)
+        if key_total(decoded[at]) != datas[at].count(b":"):
+            return at
+        at += 1
 
 
 def _utf8(block: bytes, end: int) -> bool:
