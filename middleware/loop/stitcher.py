@@ -5,7 +5,8 @@ tools echoed with MCP secrets as null; a background response's ``response.create
 ``queued`` and a ``response.queued`` follows it, as OpenAI streams them), ``sequence_number`` from 0 (the `ClientStream` numbers),
 ``output_index`` offset by earlier rounds, gateway ``function_call`` events hidden and replaced by
 ``mcp_call`` lifecycle events, upstream terminal events held back, and exactly one terminal event
-(`terminal`) — then ``data: [DONE]``. It sets the `ClientStream`'s ``snapshot`` to the response so
+(`terminal`) — then ``data: [DONE]``. Runs of frames it would forward unchanged go out as received
+(`fast_count`, the stream fast path of `middleware.upstream.reader`). It sets the `ClientStream`'s ``snapshot`` to the response so
 far (its items), for the ``response.failed`` event of a failure after commit.
 """
 

@@ -3,13 +3,15 @@
 `read_stream_events` feeds the upstream body to the SSE parser in slices of at most 4 KiB, charging
 the parser's buffer and each complete frame (``admit_stream_bytes``, released once the frame is
 handed out) and each frame's parse (``check_stream_frame``, transient) before ``json.loads`` runs,
-and yields `UpstreamEvent`s.
+and yields `UpstreamEvent`s; with a `FastRun` it forwards runs of regular frames as received
+instead (issue 21: `middleware.upstream.fastpath`), the pass-through's and, store on, the loop's
+rounds (the accumulator then admits their delta text, `StreamAccumulator.stage`).
 `StreamAccumulator` keeps what a round needs once its stream is over — delta text until its item
 is done, finished items, the terminal response — each charged with ``admit_accumulated`` and a
 replaced snapshot released only after its replacement was admitted (DESIGN.md §4).
 `read_buffered_body` reads a JSON body under ``admit_output`` with the ``max_retained_bytes // 8``
 clamp (DESIGN.md §3). Upstream JSON holding ``NaN`` / ``Infinity`` or lone surrogates (what
-cannot be re-encoded as JSON or UTF-8) is refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
+cannot be re-encoded as JSON or UTF-8), and SSE data repeating a key, are refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
 """
 
 from __future__ import annotations
