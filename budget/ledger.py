@@ -12,6 +12,7 @@ awaits. An optional process-wide pool can draw the same amounts in the same sync
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from .errors import BudgetExceeded, ConfigError, Phase, PoolExhausted
@@ -269,6 +270,19 @@ class Ledger:
             return self._commit("accumulated", m.measured_accumulated(raw, f, store))
         self._fits("accumulated", m.accumulated_charge(n, 0, store))
         return self._commit("accumulated", m.accumulated_charge(n, self._nodes(data, nodes), store))
+
+    def admit_accumulated_texts(self, texts: Sequence[bytes]) -> list[int]:
+        """`admit_accumulated` ``(text, nodes=0)`` of each delta text (UTF-8) in one commit; returns
+        each one's charge, in order. All or nothing (`BudgetExceeded`, `PoolExhausted`): when the
+        sum fits, so does each one-by-one admission it replaces (the stream fast path, store on)."""
+        m, store = self._model, self._store
+        measured = m.parse is not None
+        charges = [
+            m.measured_accumulated(t, None, store) if measured else m.accumulated_charge(len(t), 0, store)
+            for t in texts
+        ]
+        self._commit("accumulated", sum(charges))
+        return charges
 
     def admit_terminal(self, serialized: BytesLike, *, features: JsonFeatures | None = None) -> int:
         """Charge encoding the final response: reference ``4*len`` (+ ``2*len`` with store);

@@ -97,7 +97,16 @@ class UpstreamRounds:
         self.resolved = resolved
         self.stitcher = stitcher
         self._acc: StreamAccumulator | None = None
+        self.live: StreamAccumulator | None = None  # the streamed round being read
         self._charge = 0
+
+    def seen(self) -> list[dict[str, Any]]:
+        """What the client saw of a streamed round that has not ended (`StreamStitcher.seen_items`):
+        stored after the items so far when the response is stored before the round ends."""
+        acc, stitcher = self.live, self.stitcher
+        if acc is None or stitcher is None:
+            return []
+        return stitcher.seen_items(acc.delta_text, acc.items)
 
     async def with_keepalive(self, work: Awaitable[T]) -> T:
         """Await `work` (cancelled if this is), sending the client a keep-alive every
@@ -151,8 +160,18 @@ class UpstreamRounds:
     async def _stream(self, response: UpstreamResponse) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """A streamed answer, accumulated (and forwarded to a streamed client)."""
         acc = StreamAccumulator(self.ctx.ledger)
-        forward = self.stitcher.forward if self.stitcher is not None else None
-        await read_round(response, self.ctx.ledger, client=self.client, acc=acc, on_event=forward)
+        stitcher = self.stitcher
+        self.live = acc  # the round so far, for a response stored before it ends (`seen`)
+        await read_round(
+            response,
+            self.ctx.ledger,
+            client=self.client,
+            acc=acc,
+            on_event=None if stitcher is None else stitcher.forward,
+            on_run=None if stitcher is None else self.client.forward_run,  # the fast path
+            accept=None if stitcher is None else stitcher.fast_count,
+        )
+        self.live = None
         if acc.terminal is None:  # a terminal event without a response object
             raise no_terminal_event()
         # The terminal event's type is the round's status: a response.failed / .incomplete never
@@ -307,6 +326,7 @@ class AgentLoop:
             background=ctx.response_id is not None and self.request.get("background") is True,
         )
         self.upstream = UpstreamRounds(state, ctx, resolved, self.stitcher)
+        self.recorder.seen = self.upstream.seen
         self.log = ItemLog(ctx, resolved, self.items, self.replay, self.stitcher)
         self.rounds_observed = False
 

@@ -1,8 +1,9 @@
 """`ResponseRecorder`: storing one request's response object, completed or failed (DESIGN.md §7).
 
 The loop hands it the final response (`finished`); the guard, through ``ctx.hooks``, hands it a
-failure's stored status (`failed`: ``failed`` with the error, or ``cancelled``). Whichever comes
-first is stored, once, in one transaction with the request's input, output and replay items. A
+failure's stored status (`failed`: ``failed`` with the error, or ``cancelled``), with what the
+client saw of a round still streaming (``seen``: its finished items, and the items in progress
+with their text so far, ``incomplete``). Whichever comes first is stored, once, in one transaction with the request's input, output and replay items. A
 response the store cannot encode, or whose conversation was deleted while the request ran, is
 logged and not stored: the client still gets the answer it was given.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from middleware.loop.echo import normalise_response
@@ -54,6 +56,8 @@ class ResponseRecorder:
         self.restored = Restored([])
         self.background = background
         self.done = False
+        #: the items of a round still streaming that the client saw (set by the loop)
+        self.seen: Callable[[], list[dict[str, Any]]] = list
 
     async def finished(self, response: dict[str, Any]) -> None:
         """Store the final response object (its status is the loop's)."""
@@ -67,6 +71,9 @@ class ResponseRecorder:
         if self.done:
             return
         self.done = True
+        seen = self.seen()
+        if seen:
+            self.items = [*self.items, *seen]  # this recorder stores nothing after this one
         response = {
             "id": self.response_id,
             "object": "response",

@@ -5,12 +5,15 @@ tools echoed with MCP secrets as null; a background response's ``response.create
 ``queued`` and a ``response.queued`` follows it, as OpenAI streams them), ``sequence_number`` from 0 (the `ClientStream` numbers),
 ``output_index`` offset by earlier rounds, gateway ``function_call`` events hidden and replaced by
 ``mcp_call`` lifecycle events, upstream terminal events held back, and exactly one terminal event
-(`terminal`) — then ``data: [DONE]``. It sets the `ClientStream`'s ``snapshot`` to the response so
+(`terminal`) — then ``data: [DONE]``. Runs of frames it would forward unchanged go out as received
+(`fast_count`, the stream fast path of `middleware.upstream.reader`). It sets the `ClientStream`'s ``snapshot`` to the response so
 far (its items), for the ``response.failed`` event of a failure after commit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 from middleware.asgi.client_stream import ClientStream
@@ -53,6 +56,7 @@ class StreamStitcher:
         self.started = False  # the first round's lifecycle events are through; mcp_list_tools sent
         self.listed = False
         self.round_map: dict[int, int | None] = {}  # upstream output_index -> client index (None: hidden)
+        self.round_items: dict[int, dict[str, Any]] = {}  # upstream output_index -> visible item as added
         self.call_ids: dict[int, str] = {}  # id(function_call item) -> mcp_call item id
         self.call_index: dict[int, int] = {}
 
@@ -138,6 +142,7 @@ class StreamStitcher:
             return
         if event.type in TERMINAL_EVENTS:
             self.round_map = {}
+            self.round_items = {}
             await self.ensure_started()  # an upstream that sent nothing before its terminal event
             return
         if not self.started:
@@ -157,6 +162,8 @@ class StreamStitcher:
                 return
             self.round_map[index] = self.next_index
             self.next_index += 1
+            if isinstance(item, dict):
+                self.round_items[index] = item
         changed = event.changed
         if isinstance(index, int):
             if index not in self.round_map:  # an upstream that skipped output_item.added
@@ -173,6 +180,55 @@ class StreamStitcher:
             changed = True
         # nothing to rewrite (most deltas of a first round): the upstream's bytes go out as they are
         await self.client.forward(event.type, event.data, obj, changed=changed)
+
+    def fast_count(self, heads: list[dict[str, Any]]) -> int:
+        """How many of the leading frames `heads` (decoded JSON objects of regular frames, no
+        lifecycle, item or terminal event: `middleware.upstream.fastpath`) `forward` would send
+        unchanged: none before the stream has started (`forward` would open it first); then up to
+        the first that carries a ``response`` or an ``output_index`` that is not an ``int`` this
+        round maps to itself (offset by earlier rounds, hidden, or not yet added). The fast path
+        forwards those as received (`middleware.upstream.reader.FastRun`)."""
+        if not self.started:
+            return 0
+        round_map = self.round_map
+        indexes = list(map(dict.get, heads, repeat("output_index")))
+        if not any(map(dict.__contains__, heads, repeat("response"))) and all(
+            [
+                index is None or (type(index) is int and round_map.get(index) == index)
+                for index in set(indexes)
+            ]
+        ):
+            return len(heads)  # the usual run: one item's deltas, at its own index
+        for i, (head, index) in enumerate(zip(heads, indexes, strict=True)):
+            if "response" in head or (
+                index is not None and (type(index) is not int or round_map.get(index) != index)
+            ):
+                return i
+        return len(heads)
+
+    def seen_items(
+        self, delta_text: Callable[[int], str], done: dict[int, dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The current round's visible items as far as the client saw them, in client order, for
+        a response stored before the round ended (client gone, a failure): each finished item
+        (`done`, by upstream ``output_index``) as it finished, else the item as it was added,
+        ``incomplete``, with the delta text streamed for it so far (`delta_text(index)`) as its
+        text (a message) or ``arguments`` (a function call)."""
+        seen = []
+        for index, item in sorted(
+            self.round_items.items(), key=lambda pair: self.round_map.get(pair[0]) or 0
+        ):
+            if index in done:
+                seen.append(done[index])
+                continue
+            partial = {**item, "status": "incomplete"}
+            text = delta_text(index)
+            if item.get("type") == "message" and text:
+                partial["content"] = [{"type": "output_text", "text": text, "annotations": []}]
+            elif item.get("type") == "function_call" and text:
+                partial["arguments"] = text
+            seen.append(partial)
+        return seen
 
     async def synthesize(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         """Emit events for a buffered upstream answer (a server that ignored ``stream``)."""

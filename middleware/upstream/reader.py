@@ -3,13 +3,15 @@
 `read_stream_events` feeds the upstream body to the SSE parser in slices of at most 4 KiB, charging
 the parser's buffer and each complete frame (``admit_stream_bytes``, released once the frame is
 handed out) and each frame's parse (``check_stream_frame``, transient) before ``json.loads`` runs,
-and yields `UpstreamEvent`s.
+and yields `UpstreamEvent`s; with a `FastRun` it forwards runs of regular frames as received
+instead (issue 21: `middleware.upstream.fastpath`), the pass-through's and, store on, the loop's
+rounds (the accumulator then admits their delta text, `StreamAccumulator.stage`).
 `StreamAccumulator` keeps what a round needs once its stream is over — delta text until its item
 is done, finished items, the terminal response — each charged with ``admit_accumulated`` and a
 replaced snapshot released only after its replacement was admitted (DESIGN.md §4).
 `read_buffered_body` reads a JSON body under ``admit_output`` with the ``max_retained_bytes // 8``
 clamp (DESIGN.md §3). Upstream JSON holding ``NaN`` / ``Infinity`` or lone surrogates (what
-cannot be re-encoded as JSON or UTF-8) is refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
+cannot be re-encoded as JSON or UTF-8), and SSE data repeating a key, are refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import contextlib
 import dataclasses
 import json
 import re
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from budget import BudgetExceeded, JsonFeatures, JsonNodeCounter, JsonTooDeep, Ledger, PoolExhausted
@@ -29,7 +31,13 @@ from middleware.upstream.errors import (
     UpstreamInvalid,
     stream_error_failure,
 )
-from middleware.upstream.fastpath import regular_prefix
+from middleware.upstream.fastpath import (
+    IRREGULAR_TYPES,
+    STITCHED_IRREGULAR_TYPES,
+    frames_end,
+    no_duplicate_keys,
+    regular_prefix,
+)
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
 
@@ -66,6 +74,32 @@ def _reject_constant(name: str) -> Any:
 def loads_upstream(data: bytes) -> Any:
     """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` raise `UpstreamInvalid`."""
     return json.loads(data, parse_constant=_reject_constant)
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _pairs_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _RepeatedKey
+    return obj
+
+
+def duplicate_key(data: bytes, obj: Any) -> bool:
+    """Whether the JSON text `data` (decoded: `obj`) repeats a key within one object (compared
+    decoded, so ``"a"`` and ``"\\u0061"`` are one key). DESIGN.md §5 refuses such an upstream
+    answer (502 ``upstream_invalid_response``): a decoder keeps one of the two silently, so what
+    the client gets would depend on which. Cheap when provable from counts
+    (`middleware.upstream.fastpath.no_duplicate_keys`), else one more parse that keeps pairs."""
+    if no_duplicate_keys(data, obj):
+        return False
+    try:
+        json.loads(data, object_pairs_hook=_pairs_once, parse_constant=_reject_constant)
+    except _RepeatedKey:
+        return True
+    return False
 
 
 def dumps_checked(obj: Any) -> bytes:
@@ -115,17 +149,18 @@ async def read_stream_events(
     ledger: Ledger,
     *,
     client: ClientStream | None = None,
-    on_run: Callable[[bytes, int], Awaitable[None]] | None = None,
+    fast: FastRun | None = None,
 ) -> AsyncGenerator[UpstreamEvent, None]:
     """Parse the upstream SSE body into `UpstreamEvent`s under the ledger.
 
-    With ``on_run`` (and a ``client``; the pass-through's forwarding): the fast path. Whenever
-    the parser holds nothing, what is left of the read is scanned for the regular frames at its
-    start (`middleware.upstream.fastpath.regular_prefix`: frames the exact path would forward as
-    received); when the ledger's one bound for all of it fits (`budget.Ledger.stream_read_fits`)
-    and the pool has room for the widest frame, those frames go to ``on_run(frames, count)`` as
-    one slice and yield no event. The next frame (an irregular one) goes through the exact
-    per-frame path below, then the scan resumes after it.
+    With ``fast`` (and a ``client``): the fast path (`FastRun`). Whenever the parser holds
+    nothing, what is left of the read is scanned for the regular frames at its start
+    (`middleware.upstream.fastpath.regular_prefix`: frames the exact path would forward as
+    received); when the consumer takes them (``fast.accept``), what the accumulator keeps of
+    them is admitted (``fast.acc``), the ledger's one bound for all of the read fits
+    (`budget.Ledger.stream_read_fits`) and the pool has room for the widest frame, those frames
+    go to ``fast.on_run(frames, count)`` as one slice and yield no event. The next frame (an
+    irregular one) goes through the exact per-frame path, then the scan resumes after it.
 
     With a `ClientStream` (``client``): it is flushed each time every event of the bytes received
     so far has been handed out, before waiting for more; and while the gateway waits for upstream
@@ -133,107 +168,172 @@ async def read_stream_events(
     ``client.last_sent()``), a keep-alive comment is sent. Upstream bytes that complete no event
     (comments, a long frame trickling in) do not put it off.
     Comments, ``retry:``/``id:``-only blocks, empty data and ``[DONE]`` yield nothing.
-    Raises `UpstreamInvalid` for a frame that is not a JSON object (or holds ``NaN``),
-    `UpstreamIncomplete` for bad encoding, `BudgetExceeded` when the ledger trips.
+    Raises `UpstreamInvalid` for a frame that is not a JSON object (or holds ``NaN``, or repeats a
+    key), `UpstreamIncomplete` for bad encoding, `BudgetExceeded` when the ledger trips.
     """
-    parser = SSEParser()
+    reader = _ExactReader(ledger)
     chunks = response.chunks()
     timer = _KeepaliveTimer(client.keepalive, client.keepalive_interval, client.last_sent) if client else None
     idle = client.flush if client is not None else None
-    fast = _FastPath(ledger, client, on_run) if on_run is not None and client is not None else None
-    held = 0  # retained charge for the bytes of the incomplete frame (32 x parser.pending)
-    frame = 0  # retained charge for the frame being handed out
-    ended = False
+    split = _FastPath(ledger, client, fast).split if fast is not None and client is not None else None
     try:
-        while not ended:
+        while not reader.ended:
             if idle is not None:
                 await idle()
-            if timer is not None:
-                timer.arm()
-            try:
-                todo = await anext(chunks)
-            except StopAsyncIteration:
-                ended, todo = True, b""  # end of stream: settle a held CR
-            if timer is not None:
-                await timer.disarm()  # a failure (or cancellation) instead cancels it below
+            todo = await _next_read(chunks, timer, reader)
             while True:
-                if fast is not None and todo and not parser.pending:
-                    segment, todo = await fast.split(todo)  # forwards the regular frames first
+                if split is not None and todo and not reader.parser.pending:
+                    segment, todo = await split(todo)  # forwards the regular frames first
                 else:
                     segment, todo = todo, b""
                 for piece in [segment] if len(segment) <= SLICE else _slices(segment):
-                    if not piece and not ended:
-                        continue  # all of it forwarded (or an empty read)
-                    try:
-                        events = parser.feed(piece) if piece else parser.flush()
-                    except SSEDecodeError as exc:
-                        raise UpstreamIncomplete(str(exc)) from None
-                    for event in events:
-                        # Charged per whole frame (its partial charge released first): the same
-                        # checks, in the same order, however the stream was split into reads.
-                        if held:
-                            ledger.release(held)
-                            held = 0
-                        frame = ledger.admit_stream_bytes(event.raw_len)
-                        upstream_event = _decode(event, ledger)
-                        if upstream_event is not None:
-                            yield upstream_event
-                        ledger.release(frame)
-                        frame = 0
-                    if held:
-                        ledger.release(held)
-                        held = 0
-                    pending = parser.pending
-                    if pending:
-                        held = ledger.admit_stream_bytes(pending, transient=False)
+                    if piece or reader.ended:  # else: all of it forwarded (or an empty read)
+                        for event in reader.feed(piece):
+                            yield event
                 if not todo:
                     break
     finally:
-        ledger.release(held + frame)  # what the parser held is gone with it
+        reader.close()
         if timer is not None:
             timer.cancel()
         with contextlib.suppress(Exception):
             await chunks.aclose()  # type: ignore[attr-defined]
 
 
+async def _next_read(chunks: Any, timer: _KeepaliveTimer | None, reader: _ExactReader) -> bytes:
+    """The next upstream read (keep-alives armed while it is awaited); b"" and ``reader.ended``
+    at the end of the stream (then the parser settles a held CR)."""
+    if timer is not None:
+        timer.arm()
+    try:
+        todo: bytes = await anext(chunks)
+    except StopAsyncIteration:
+        reader.ended, todo = True, b""
+    if timer is not None:
+        await timer.disarm()  # a failure (or cancellation) instead cancels it in the caller
+    return todo
+
+
+class _ExactReader:
+    """The exact per-frame path of one stream: the SSE parser and its charges (DESIGN.md §4).
+    ``held``: the retained charge for the bytes of the incomplete frame (32 × ``parser.pending``);
+    ``frame``: the retained charge for the frame being handed out."""
+
+    __slots__ = ("ended", "frame", "held", "ledger", "parser")
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.parser = SSEParser()
+        self.held = 0
+        self.frame = 0
+        self.ended = False
+
+    def feed(self, piece: bytes) -> Iterator[UpstreamEvent]:
+        """The events `piece` completes (b"": the end of the stream), each decoded while its
+        whole frame is charged (its partial charge released first): the same checks, in the same
+        order, however the stream was split into reads. Raises as `read_stream_events`."""
+        ledger = self.ledger
+        try:
+            events = self.parser.feed(piece) if piece else self.parser.flush()
+        except SSEDecodeError as exc:
+            raise UpstreamIncomplete(str(exc)) from None
+        for event in events:
+            if self.held:
+                ledger.release(self.held)
+                self.held = 0
+            self.frame = ledger.admit_stream_bytes(event.raw_len)
+            upstream_event = _decode(event, ledger)
+            if upstream_event is not None:
+                yield upstream_event
+            ledger.release(self.frame)
+            self.frame = 0
+        if self.held:
+            ledger.release(self.held)
+            self.held = 0
+        if self.parser.pending:
+            self.held = ledger.admit_stream_bytes(self.parser.pending, transient=False)
+
+    def close(self) -> None:
+        """Release what the parser held (it is gone with the reader)."""
+        self.ledger.release(self.held + self.frame)
+        self.held = self.frame = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FastRun:
+    """How a consumer takes runs of regular frames (`read_stream_events`' fast path).
+
+    ``on_run(frames, count)``: forwards `count` whole frames as received (one slice; e.g.
+    `ClientStream.forward_run`). ``accept(heads)``: how many of the leading regular frames (their
+    decoded JSON objects) the consumer would forward unchanged, from 0 to ``len(heads)``; by
+    default all. ``acc``: the round's `StreamAccumulator` (store on, the loop's rounds): it keeps
+    their delta text with its exact charges, and the item events are irregular there
+    (`STITCHED_IRREGULAR_TYPES`)."""
+
+    on_run: Callable[[bytes, int], Awaitable[None]]
+    accept: Callable[[list[dict[str, Any]]], int] | None = None
+    acc: StreamAccumulator | None = None
+
+
 class _FastPath:
-    """The fast path of one stream (`read_stream_events` with ``on_run``): `split` hands the
+    """The fast path of one stream (`read_stream_events` with a `FastRun`): `split` hands the
     regular frames at the start of what is left of a read to ``on_run`` and cuts the next frame
     off for the exact path."""
 
-    __slots__ = ("_client", "_ledger", "_names", "_on_run")
+    __slots__ = ("_client", "_fast", "_irregular", "_ledger", "_names")
 
-    def __init__(
-        self, ledger: Ledger, client: ClientStream, on_run: Callable[[bytes, int], Awaitable[None]]
-    ) -> None:
+    def __init__(self, ledger: Ledger, client: ClientStream, fast: FastRun) -> None:
         self._ledger = ledger
         self._client = client
-        self._on_run = on_run
+        self._fast = fast
+        self._irregular = IRREGULAR_TYPES if fast.acc is None else STITCHED_IRREGULAR_TYPES
         self._names: dict[bytes, str] = {}  # event names found regular in this stream
 
     async def split(self, chunk: bytes) -> tuple[bytes, bytes]:
         """Forward the regular frames at the start of `chunk` (bytes of an upstream read that
-        start at a frame boundary, the parser holding nothing) when the one ledger bound for all
-        of `chunk` fits and the pool has room; return ``(segment, rest)``: `segment` for the
-        exact path (the next frame, up to and with its blank line; all of what is left when no
-        blank line follows), `rest` for this method again."""
-        end, count, widest = regular_prefix(chunk, self._client.next_sequence, self._names)
-        if count and self._ledger.stream_read_fits(len(chunk), widest):
-            try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
-                charge = self._ledger.admit_stream_bytes(widest)
-            except (BudgetExceeded, PoolExhausted):
-                end = 0  # left unchanged: the exact path meets the same refusal, at its frame
-            else:
-                try:
-                    await self._on_run(chunk if end == len(chunk) else chunk[:end], count)
-                finally:
-                    self._ledger.release(charge)
-        else:
-            end = 0
+        start at a frame boundary, the parser holding nothing) when the consumer takes them, the
+        one ledger bound for all of `chunk` fits and the pool has room; return ``(segment,
+        rest)``: `segment` for the exact path (the next frame, up to and with its blank line;
+        all of what is left when no blank line follows), `rest` for this method again."""
+        end, count, widest, heads = regular_prefix(
+            chunk, self._client.next_sequence, self._names, self._irregular
+        )
+        accept = self._fast.accept
+        if count and accept is not None and (taken := accept(heads)) < count:
+            count, heads = taken, heads[:taken]
+            end = frames_end(chunk, count)
+        if not count or not await self._forward(chunk, end, count, widest, heads):
+            end = 0  # left unchanged: the exact path meets the same checks, frame by frame
         cut = chunk.find(b"\n\n", end)
         if cut < 0:
             return chunk[end:], b""
         return chunk[end : cut + 2], chunk[cut + 2 :]
+
+    async def _forward(
+        self, chunk: bytes, end: int, count: int, widest: int, heads: list[dict[str, Any]]
+    ) -> bool:
+        """Admit what the run keeps and check the read's bound; forward the run when both fit
+        (True), else change nothing (False). What the accumulator keeps is admitted first, so the
+        bound is checked on top of all of it: at least every check the exact path makes."""
+        acc, ledger = self._fast.acc, self._ledger
+        staged = acc.stage(heads) if acc is not None else None
+        if acc is not None and staged is None:
+            return False
+        try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
+            charge = ledger.admit_stream_bytes(widest) if ledger.stream_read_fits(len(chunk), widest) else -1
+        except (BudgetExceeded, PoolExhausted):
+            charge = -1
+        if charge < 0:
+            if acc is not None and staged is not None:
+                acc.unstage(staged)
+            return False
+        try:
+            if acc is not None and staged is not None:
+                acc.keep(staged)
+            await self._fast.on_run(chunk if end == len(chunk) else chunk[:end], count)
+        finally:
+            ledger.release(charge)
+        return True
 
 
 def _slices(chunk: bytes) -> list[bytes]:
@@ -327,6 +427,8 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
         raise UpstreamInvalid(f"upstream SSE data is not JSON: {data[:80]!r}") from None
     if not isinstance(obj, dict):
         raise UpstreamInvalid("upstream SSE data is not a JSON object")
+    if duplicate_key(data, obj):
+        raise UpstreamInvalid(f"upstream SSE data repeats a key within one object: {data[:80]!r}")
     raw_kind = obj.get("type")
     named = isinstance(raw_kind, str)
     kind: str = raw_kind if isinstance(raw_kind, str) else event.event
@@ -411,18 +513,21 @@ async def read_round(
     acc: StreamAccumulator | None = None,
     on_event: Callable[[UpstreamEvent], Awaitable[None]] | None = None,
     on_run: Callable[[bytes, int], Awaitable[None]] | None = None,
+    accept: Callable[[list[dict[str, Any]]], int] | None = None,
 ) -> str:
     """Read one streamed round up to its terminal event (`read_stream_events`, closed as soon as
     the round ends, however it ends, so what the reader holds is released then): each event is
     kept by `acc` and handed to `on_event` (forwarding); returns the terminal event's type. With
-    `on_run` (forwarding without `acc`): runs of regular frames go to it as received instead
-    (`read_stream_events`' fast path).
+    `on_run`: runs of regular frames that `accept` takes go to it as received instead, their
+    delta text kept by `acc` (`read_stream_events`' fast path, `FastRun`).
 
     Raises `UpstreamStreamError` for an in-band ``error`` event, `UpstreamIncomplete` when the
     stream ends without a terminal event, and whatever the reader raises.
     """
     async with contextlib.aclosing(
-        read_stream_events(response, ledger, client=client, on_run=on_run)
+        read_stream_events(
+            response, ledger, client=client, fast=None if on_run is None else FastRun(on_run, accept, acc)
+        )
     ) as events:
         async for event in events:
             if event.type == "error":
@@ -434,6 +539,10 @@ async def read_round(
             if event.type in TERMINAL_EVENTS:
                 return event.type
     raise no_terminal_event()
+
+
+#: What `StreamAccumulator.stage` admitted: ``(output_index, delta text)`` pairs and their charges.
+Staged = tuple[list[tuple[int, str]], list[int]]
 
 
 class StreamAccumulator:
@@ -485,6 +594,45 @@ class StreamAccumulator:
             self._terminal_charge = self.ledger.admit_accumulated(event.data)
             self.terminal = obj["response"]
             self.terminal_type = kind
+
+    def stage(self, heads: list[dict[str, Any]]) -> Staged | None:
+        """Admit what `apply` would keep of frames forwarded as received (their decoded JSON
+        objects `heads`, none an item or terminal event): each delta text, charged as `apply`
+        charges it (`budget.Ledger.admit_accumulated_texts`: one commit). All or nothing: returns
+        the staged ``(output_index, text)`` pairs and their charges for `keep`, or None when they
+        do not fit (`BudgetExceeded` or `PoolExhausted` caught; the ledger is as before)."""
+        kept = [
+            (head["output_index"], head["delta"])
+            for head in heads
+            if isinstance(head.get("delta"), str)
+            and isinstance(head.get("output_index"), int)
+            and head["type"].endswith(".delta")
+        ]
+        try:
+            charges = self.ledger.admit_accumulated_texts([text.encode() for _, text in kept])
+        except (BudgetExceeded, PoolExhausted):
+            return None
+        return kept, charges
+
+    def keep(self, staged: Staged) -> None:
+        """Keep what `stage` admitted, as `apply` keeps delta text."""
+        kept, charges = staged
+        if len({index for index, _ in kept}) == 1:  # the usual run: the deltas of one item
+            index = kept[0][0]
+            self._delta_charges[index] = self._delta_charges.get(index, 0) + sum(charges)
+            self._deltas.setdefault(index, []).extend([text for _, text in kept])
+            return
+        for (index, text), charge in zip(kept, charges, strict=True):
+            self._delta_charges[index] = self._delta_charges.get(index, 0) + charge
+            self._deltas.setdefault(index, []).append(text)
+
+    def unstage(self, staged: Staged) -> None:
+        """Release what `stage` admitted (the frames go to the exact path instead)."""
+        self.ledger.release(sum(staged[1]))
+
+    def delta_text(self, index: int) -> str:
+        """The delta text kept for the item at `index` so far ("" when none)."""
+        return "".join(self._deltas.get(index, ()))
 
     def output(self) -> list[dict[str, Any]]:
         """The round's output items: the terminal response's ``output`` when it carries one,

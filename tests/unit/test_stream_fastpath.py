@@ -101,6 +101,11 @@ _IRREGULAR: list[bytes] = [
     _frame("x.delta", b'{"type":"y.delta","sequence_number":SEQ}', name="x.delta"),
     _frame("x.delta", b'{"type":"x.delta","type":"z","sequence_number":SEQ}'),
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"n":NaN}'),
+    # repeated keys (issue 21 defect): refused by the exact path, never forwarded as received
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a","d":"b"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a","\\u0064":"b"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"o":{"a":1,"a":2}}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"o":[{"a":":","a":2}]}'),
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"\xff"}'),
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"\\ud800"}'),
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"\\ud83d\\ude00"}'),
@@ -139,10 +144,18 @@ def _terminal(seq: int) -> bytes:
 
 
 _TERMINAL = _terminal(0)
+#: Valid frames the fast path leaves to the exact path all the same (a ``:`` inside a string: its
+#: key count cannot prove "no repeat"); the exact path forwards them unchanged.
+_CONSERVATIVE: list[bytes] = [
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"a: b"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"o":{"type":"t","u":"http://h"}}'),
+]
 #: Frames of other shapes that are regular all the same (valid UTF-8, escapes, spaces).
 _ALSO_REGULAR: list[bytes] = [
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":"caf\xc3\xa9"}'),
     _frame("x.delta", b'{ "type" : "x.delta" , "sequence_number" : SEQ, "d": "\\n\\u0041" }'),
+    # the same key in different objects is no repeat (counted per object)
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"o":{"type":"t","p":[{"type":"u"}]}}'),
 ]
 
 
@@ -154,7 +167,7 @@ def streams(draw: st.DrawFn) -> list[bytes]:
     seq = 0
     for _ in range(draw(st.integers(0, 12))):
         if draw(st.integers(0, 3)) == 0:
-            parts.append(_numbered(draw(st.sampled_from(_IRREGULAR + _ALSO_REGULAR)), seq))
+            parts.append(_numbered(draw(st.sampled_from(_IRREGULAR + _ALSO_REGULAR + _CONSERVATIVE)), seq))
         else:
             parts.append(_delta(seq, draw(st.sampled_from(["hi", "x" * 300, "é", ""]))))
         seq += 1
@@ -228,9 +241,10 @@ def test_list_wise_and_frame_by_frame_classification_agree(reads: list[bytes], s
 @pytest.mark.parametrize("frame", _IRREGULAR)
 def test_regular_prefix_stops_at_each_irregular_shape(frame: bytes) -> None:
     block = _delta(0) + _numbered(frame, 1) + _delta(2)
-    end, count, widest = regular_prefix(block, 0, {})
+    end, count, widest, heads = regular_prefix(block, 0, {})
     assert (end, count) == (len(_delta(0)), 1)
     assert widest == len(_delta(0)) - 42  # the data payload: the frame less its event and data lines
+    assert heads == [json.loads(_delta(0).partition(b"\ndata: ")[2])]
 
 
 @pytest.mark.parametrize(
@@ -245,6 +259,26 @@ def test_the_same_frames_regular_are_taken(frame: bytes) -> None:
 def test_regular_prefix_counts_frames_and_caches_names() -> None:
     names: dict[bytes, str] = {}
     block = _delta(5) + _delta(6) + b"event: x"
-    assert regular_prefix(block, 5, names) == (2 * len(_delta(5)), 2, len(_delta(5)) - 42)
+    assert regular_prefix(block, 5, names)[:3] == (2 * len(_delta(5)), 2, len(_delta(5)) - 42)
     assert names == {b"response.output_text.delta": "response.output_text.delta"}
     assert regular_prefix(block, 4, names)[1] == 0  # not the client's next number
+
+
+@pytest.mark.parametrize("frame", _IRREGULAR[10:14])
+def test_a_frame_that_repeats_a_key_is_refused_on_both_paths(frame: bytes) -> None:
+    """DESIGN.md §5: an upstream answer that cannot be re-encoded faithfully is 502
+    ``upstream_invalid_response`` (a repeated key: a decoder keeps one of them silently)."""
+    assert b'"a"' in frame or b'"d"' in frame  # the four repeated-key frames of `_IRREGULAR`
+    body = _delta(0) + _numbered(frame, 1) + _terminal(2)
+    for fast in (True, False):
+        out, outcome, _ = run_stream([body], fast=fast, limit=64 << 20)
+        assert outcome == "UpstreamInvalid:upstream_invalid_response"
+        assert out == _delta(0)  # the frame before it went out; the repeated one did not
+
+
+@pytest.mark.parametrize("frame", _CONSERVATIVE)
+def test_frames_the_fast_path_cannot_prove_go_out_unchanged_by_the_exact_path(frame: bytes) -> None:
+    block = _delta(0) + _numbered(frame, 1) + _terminal(2)
+    assert regular_prefix(block, 0, {})[1] == 1  # left to the exact path
+    out, outcome, runs = run_stream([block], fast=True, limit=64 << 20)
+    assert (out, outcome, runs) == (block, "response.completed", 1)
