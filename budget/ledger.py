@@ -55,6 +55,15 @@ def _size(name: str, value: int) -> int:
     return value
 
 
+def _check_arguments(limit: int, model: ChargeModel) -> None:
+    """`Ledger`'s argument checks: `ConfigError` unless ``limit`` is an int >= 0, `TypeError`
+    unless ``model`` is a `ChargeModel`."""
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ConfigError("limit", limit, "0..", f"limit must be an int >= 0, got {limit!r}")
+    if not isinstance(model, ChargeModel):
+        raise TypeError(f"model must be a ChargeModel, got {type(model).__name__}")
+
+
 class Ledger:
     """Charges every payload a request retains, before it is parsed or stored.
 
@@ -83,10 +92,7 @@ class Ledger:
         *,
         pool: ChargePool | None = None,
     ) -> None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise ConfigError("limit", limit, "0..", f"limit must be an int >= 0, got {limit!r}")
-        if not isinstance(model, ChargeModel):
-            raise TypeError(f"model must be a ChargeModel, got {type(model).__name__}")
+        _check_arguments(limit, model)
         self._limit = limit
         self._model = model
         self._store = bool(store)

@@ -663,6 +663,23 @@ class StreamAccumulator:
         self._terminal_charge = 0
 
 
+def _refuse_declared_length(response: UpstreamResponse, ledger: Ledger) -> None:
+    """Raise `UpstreamBodyTooLarge` (502 ``upstream_response_too_large``) when the upstream's
+    ``Content-Length`` is over the charge model's buffered clamp for ``ledger.limit``; the body
+    is then never read."""
+    model = ledger.model
+    clamp = model.upstream_clamp(ledger.limit)
+    declared = response.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > clamp:
+        raise UpstreamBodyTooLarge(
+            f"upstream response declares {int(declared)} bytes, over the {clamp}-byte clamp "
+            f"(the largest body the {model.name} charge model can admit under max_retained_bytes="
+            f"{ledger.limit}); raise max_retained_bytes or ask the model for less",
+            size=int(declared),
+            clamp=clamp,
+        )
+
+
 async def read_buffered_body(
     response: UpstreamResponse, ledger: Ledger
 ) -> tuple[bytes, int, JsonFeatures | None]:
@@ -678,16 +695,7 @@ async def read_buffered_body(
     ``charge`` once the round's kept items are charged.
     """
     model = ledger.model
-    clamp = model.upstream_clamp(ledger.limit)
-    declared = response.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > clamp:
-        raise UpstreamBodyTooLarge(
-            f"upstream response declares {int(declared)} bytes, over the {clamp}-byte clamp "
-            f"(the largest body the {model.name} charge model can admit under max_retained_bytes="
-            f"{ledger.limit}); raise max_retained_bytes or ask the model for less",
-            size=int(declared),
-            clamp=clamp,
-        )
+    _refuse_declared_length(response, ledger)
     counter = JsonNodeCounter(max_depth=MAX_UPSTREAM_DEPTH, features=model.parse is not None)
     features: JsonFeatures | None = None
     parts: list[bytes] = []

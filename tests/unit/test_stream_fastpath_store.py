@@ -1,7 +1,7 @@
 """The store-on stream fast path (issue 21 item 1): the loop's rounds, stitched and accumulated.
 
 The property: on every generated stream (lifecycle events, items added and done, text and
-argument deltas, the irregular frames of `tests.test_stream_fastpath`, frames the stitcher must
+argument deltas, the irregular frames of `tests.unit.test_stream_fastpath`, frames the stitcher must
 rewrite, read splits, ledger limits), one round read as `AgentLoop._round_stream` reads it — a
 `StreamStitcher` forwarding, a `StreamAccumulator` keeping, store surcharges on — gives with the
 fast path (``on_run`` + ``accept``) and without it the same client bytes, the same outcome, the
@@ -25,7 +25,14 @@ from middleware.loop.stitcher import StreamStitcher
 from middleware.tools import ResolvedTools
 from middleware.upstream.errors import UpstreamError
 from middleware.upstream.reader import StreamAccumulator, read_round
-from tests.test_stream_fastpath import _ALSO_REGULAR, _CONSERVATIVE, _IRREGULAR, _frame, _numbered, _Response
+from tests.unit.test_stream_fastpath import (
+    _ALSO_REGULAR,
+    _CONSERVATIVE,
+    _IRREGULAR,
+    _frame,
+    _numbered,
+    _Response,
+)
 
 REQUEST = {"model": "m", "input": "x", "stream": True}
 MESSAGE = {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress", "content": []}
