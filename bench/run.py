@@ -147,6 +147,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def run_delay_seconds(pid: int) -> float:
+    """Seconds the threads of a process spent runnable but waiting for a CPU (the second field of
+    ``/proc/PID/task/*/schedstat``, ns): time lost to other processes on its core, which its CPU
+    seconds do not show. 0.0 where the kernel has no schedstat."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
+
+
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -492,6 +505,7 @@ class Burst:
     elapsed: float
     cpu: float  # server CPU seconds during the burst
     cut: int = 0  # requests still running at the hard cap, cancelled (not counted)
+    wait: float = 0.0  # server seconds runnable but waiting for a CPU (`run_delay_seconds`)
 
 
 async def burst(
@@ -509,6 +523,7 @@ async def burst(
     started = 0
     client.reset()
     cpu0 = sum(cpu_seconds(pid) for pid in pids)
+    wait0 = sum(run_delay_seconds(pid) for pid in pids)
     t0 = time.perf_counter()
     stop_at = t0 + seconds
 
@@ -525,7 +540,13 @@ async def burst(
     if pending:
         await asyncio.gather(*pending, return_exceptions=True)
     elapsed = time.perf_counter() - t0
-    return Burst(samples, elapsed, sum(cpu_seconds(pid) for pid in pids) - cpu0, cut=len(pending))
+    return Burst(
+        samples,
+        elapsed,
+        sum(cpu_seconds(pid) for pid in pids) - cpu0,
+        cut=len(pending),
+        wait=sum(run_delay_seconds(pid) for pid in pids) - wait0,
+    )
 
 
 @dataclasses.dataclass
@@ -570,6 +591,14 @@ class Cell:
         whole = [b for b in self.bursts if not b.cut]
         n = sum(len(b.samples) for b in whole)
         return sum(b.cpu for b in whole) / n if n else None
+
+    def core_shares(self) -> tuple[float, float] | None:
+        """(CPU seconds, seconds waiting for a CPU) of the server per second of the bursts: how much
+        of its core it used and how much it wanted but other processes had."""
+        elapsed = sum(b.elapsed for b in self.bursts)
+        if not elapsed:
+            return None
+        return sum(b.cpu for b in self.bursts) / elapsed, sum(b.wait for b in self.bursts) / elapsed
 
     def first_error(self) -> str:
         return next((s.error for s in self.samples if not s.ok), "")
@@ -1470,6 +1499,7 @@ def report(results: dict[str, Any]) -> None:
         direct = cells.get("direct (client loop)")
         bare = cells.get("bare aiohttp (client loop)")
         for name, cell in cells.items():
+            shares = cell.core_shares()
             rows.append(
                 [
                     mode,
@@ -1481,6 +1511,8 @@ def report(results: dict[str, Any]) -> None:
                     ms(cell.pct(0.5)),
                     ms(cell.pct(0.99)),
                     ms(cell.cpu_per_request),
+                    "-" if shares is None else f"{shares[0]:.2f}",
+                    "-" if shares is None else f"{shares[1]:.2f}",
                     str(cell.errors),
                 ]
             )
@@ -1488,7 +1520,8 @@ def report(results: dict[str, Any]) -> None:
                 print(f"  loop error {mode} c={conc} {name}: {cell.first_error()[:300]}")
     print_table(
         "Three-round loop, two MCP tool calls (loops/s; a client loop keeps one MCP session per worker; "
-        "CPU = the server's own process per loop)",
+        "CPU = the server's own process per loop; busy / runq = its CPU seconds / seconds runnable but "
+        "waiting for a CPU, per second)",
         rows,
         [
             "mode",
@@ -1500,6 +1533,8 @@ def report(results: dict[str, Any]) -> None:
             "p50 ms",
             "p99 ms",
             "CPU ms/loop",
+            "busy",
+            "runq",
             "err",
         ],
     )

@@ -10,6 +10,7 @@ sessions), stdio in a subprocess, and in-process.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -883,6 +884,42 @@ def test_the_gateway_reuses_one_session_across_rounds_and_client_requests() -> N
         # One session listed the tools (cached for --mcp-list-ttl), one ran all four calls.
         assert wire.count("server/discover") == 2
         assert wire.count("tools/call") == 4
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["current", "legacy"])
+def test_sixteen_client_requests_run_their_calls_at_once_on_one_session(legacy: bool) -> None:
+    # Issue 21 (MCP loop slower than the client's own loop): sharing one session between the
+    # calls of concurrent requests must not serialise them. 16 requests, one 1.5 s call each: the
+    # server sees all 16 running at once, and the gateway opened one session for the calls.
+    n, seconds = 16, 1.5
+    probe = Probe()
+    with served(probe, legacy=legacy) as server, MockUpstream() as upstream:
+        wire = server.wire
+        assert wire is not None
+        # every request's first round comes before any second round (each waits for its call)
+        upstream.push(
+            *(
+                Reply.json(response_obj([FC(f"c{i}", "sleep", f'{{"tag": "t{i}", "seconds": {seconds}}}')]))
+                for i in range(n)
+            )
+        )
+        upstream.push(*(Reply.json(response_obj([message_item("done")])) for _ in range(n)))
+        with gateway(upstream, mcp_server=(f"tools={server.url}",), max_retained_bytes=4 << 20) as (url, _):
+
+            def one(_: int) -> list[str]:
+                with sdk(url) as client:
+                    response = client.responses.create(model="m", input="look", tools=[mcp_tool()])  # type: ignore[list-item]
+                    assert response.status == "completed"
+                    return [i.type for i in response.output]
+
+            with concurrent.futures.ThreadPoolExecutor(n) as threads:
+                outputs = list(threads.map(one, range(n)))
+        assert outputs == [["mcp_list_tools", "mcp_call", "message"]] * n
+        assert probe.peak == n  # all 16 calls in flight on the server at once
+        assert sorted(probe.finished) == sorted(f"t{i}" for i in range(n))
+        assert wire.count("tools/call") == n
+        # one session listed the tools (cached), one carried all 16 calls (<= 16 per session)
+        assert wire.sessions_opened() == 2
 
 
 # Needs `await state.catalog.aclose()` in the app's lifespan (middleware/app.py); without it the
