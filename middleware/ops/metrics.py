@@ -78,7 +78,6 @@ TRANSLATION_REASONS: tuple[str, ...] = (
     "unknown_finish_reason",
     "invalid_tool_stream",
     "legacy_function_call",
-    "frame_after_terminal",
     "limit_tool_calls",
     "limit_tool_arguments",
     "limit_events",

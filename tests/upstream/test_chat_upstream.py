@@ -8,6 +8,8 @@ Acceptance behaviours of ../shared/specs/chat-completions-translation.md §1.10 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -403,3 +405,90 @@ def test_ledger_overflow_in_translation_is_502_buffered_and_an_error_frame_strea
     assert [n for n, _ in events][-2:] == ["error", "response.failed"]
     assert events[-2][1]["code"] == "max_retained_bytes_exceeded"
     assert events[0][0] == "response.created"
+
+
+# -- the attacker's defects (D1, D2, D4, D5, D6) through the gateway --------------------------------
+def test_a_lone_surrogate_is_502_buffered_and_an_error_frame_streamed(
+    upstream: MockUpstream, url: str
+) -> None:
+    """D1: a lone surrogate in a buffered call's arguments -> 502 upstream_invalid_response (was
+    500 internal_error); in a streamed delta after the stream committed -> error + response.failed."""
+    calls = [function_call("c1", "weather", '{"city":"\ud800"}')]
+    upstream.push(Reply.json(completion(None, tool_calls=calls, finish="tool_calls")))
+    with sdk(url) as client, pytest.raises(openai.InternalServerError) as info:
+        client.responses.create(model="chat-model", input="hi", tools=[WEATHER])  # type: ignore[list-item]
+    assert info.value.status_code == 502 and info.value.code == "upstream_invalid_response"
+    upstream.push(Reply.sse(text_stream("fine", "then \ud800")))
+    events = _stream(url, input="hi")
+    assert [n for n, _ in events][-2:] == ["error", "response.failed"]
+    assert events[-2][1]["code"] == "upstream_invalid_response" and events[0][0] == "response.created"
+
+
+def test_an_azure_stream_with_filter_metadata_chunks_completes(upstream: MockUpstream, url: str) -> None:
+    """D2: Azure OpenAI's first chunk (choices [], empty id/model/object, prompt_filter_results)
+    and a mid-stream content_filter_results chunk are skipped; the SDK gets the whole answer."""
+    meta = {"id": "", "model": "", "object": "", "created": 0}
+    first = {
+        **meta,
+        "choices": [],
+        "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {}}],
+    }
+    late = {**meta, "choices": [{"index": 0, "finish_reason": None, "content_filter_results": {}}]}
+    frames = text_stream("Hel", "lo")
+    sse = [
+        b"data: " + json.dumps(first).encode() + b"\n\n",
+        *frames[:2],
+        b"data: " + json.dumps(late).encode() + b"\n\n",
+    ]
+    upstream.push(Reply.sse([*sse, *frames[2:]]))
+    with sdk(url) as client, client.responses.stream(model="chat-model", input="hi") as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == "Hello"
+
+
+def test_a_finish_without_done_on_an_open_connection_ends_after_the_grace(upstream: MockUpstream) -> None:
+    """D5: finish reason and usage, then no [DONE] and the connection held open: the round ends
+    about FINISH_GRACE_S (2 s) after the usage chunk, completed, with the usage (not at the read
+    timeout, 30 s here); D4: a frame after [DONE] on a held connection is never read."""
+    from middleware.upstream.chat.client import FINISH_GRACE_S as grace
+
+    hold = threading.Event()
+    with gateway(upstream, upstream_api="chat", models=MODELS, upstream_read_timeout=30.0) as (url, _):
+        try:
+            upstream.push(Reply.sse([*text_stream("done")[:-1], hold]))
+            started = time.monotonic()
+            events = _stream(url, input="hi")
+            took = time.monotonic() - started
+            assert events[-1][0] == "response.completed"
+            assert events[-1][1]["response"]["usage"]["total_tokens"] == 18
+            assert grace * 0.9 < took < grace * 2 + 6
+            upstream.push(Reply.sse([*text_stream("done"), chunk({"content": "INJECTED"}), hold]))
+            started = time.monotonic()
+            events = _stream(url, input="hi")
+            assert events[-1][0] == "response.completed" and time.monotonic() - started < grace
+            assert "INJECTED" not in json.dumps(events)
+        finally:
+            hold.set()
+
+
+def test_a_tool_role_reply_and_object_arguments_are_502(upstream: MockUpstream, url: str) -> None:
+    """D6: role "tool" in a reply and arguments that are not JSON text -> 502, never a guess."""
+    bad_args = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+    }
+    for body in (completion("x", role="tool"), completion(None, tool_calls=[bad_args], finish="tool_calls")):
+        upstream.push(Reply.json(body))
+        with sdk(url) as client, pytest.raises(openai.InternalServerError) as info:
+            client.responses.create(model="chat-model", input="hi", tools=[WEATHER])  # type: ignore[list-item]
+        assert info.value.status_code == 502 and info.value.code == "upstream_invalid_response"
+
+
+def test_completed_at_is_set_on_a_completed_chat_response(upstream: MockUpstream, url: str) -> None:
+    """D6: completed_at as the Responses path sets it (Unix seconds, at or after created_at)."""
+    upstream.push(Reply.json(completion("hi")))
+    with sdk(url) as client:
+        response = client.responses.create(model="chat-model", input="hi")
+    assert response.completed_at is not None and response.completed_at >= response.created_at
+    assert abs(response.completed_at - time.time()) < 30

@@ -17,10 +17,17 @@ buffered upstream body (`read_buffered_body`: the clamp, ``64 × bytes``), relea
 translated; a streamed reply's bytes waiting in the parser and each frame's parse are charged as
 the Responses reader charges its own; and what the converter keeps (text, reasoning, ids, names,
 arguments) is charged as retained stream bytes until the round ends. Chat deltas are transient.
+
+A streamed round ends at ``[DONE]``: nothing after it is parsed or translated (what follows in
+the same read is dropped, later reads never happen) and the upstream connection is closed. An
+upstream that sends the finish reason but never ``[DONE]`` and keeps the connection open gets
+`FINISH_GRACE_S` after the finish reason (and again after a usage chunk that follows it, when
+``include_usage`` puts it there) before the round ends as if ``[DONE]`` had come.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import json
@@ -43,6 +50,9 @@ _LEDGER: contextvars.ContextVar[Ledger | None] = contextvars.ContextVar(
 )
 FALLBACK_LIMIT = 67_108_864  # bytes: the default max_retained_bytes, for a call no request bound
 CHAT_PATH = "/chat/completions"
+#: seconds an upstream may take, after its finish reason (and again after a usage chunk that follows
+#: it), to send ``[DONE]`` or close, before the round ends without it (README "Chat Completions upstreams").
+FINISH_GRACE_S = 2.0
 NO_COMPACT = json.dumps(
     {
         "error": {
@@ -123,66 +133,106 @@ class ChatResponse:
     async def _stream(self) -> AsyncIterator[bytes]:
         ledger, parser = self._ledger, SSEParser()
         converter = StreamConverter(self._dialect, created_at=int(time.time()))
+        source = self._inner.chunks().__aiter__()
         held = kept = 0  # charges: bytes waiting in the parser, what the converter keeps
         kept_bytes = 0  # the converter's retained bytes that `kept` covers
+        deadline: float | None = None  # the grace after the finish reason (loop time)
+        marks = (False, False)  # (finish reason seen, usage seen) when `deadline` was set
+        eof = False
         try:
-            async for chunk in self._inner.chunks():
-                if converter.ended:
-                    if chunk.strip():
-                        raise reply_failure("frame_after_terminal")
-                    continue
-                step = ledger.admit_stream_bytes(len(chunk))
+            while not converter.ended:
                 try:
-                    events = parser.feed(chunk)
-                except SSEDecodeError:
-                    raise UpstreamInvalid(
-                        "the Chat Completions upstream sent a stream line that is not UTF-8"
-                    ) from None
-                finally:
-                    ledger.release(step)
-                out: list[list[bytes]] = []
-                try:
-                    for event in events:
-                        out.append(self._translate(converter, event.data))
-                except UpstreamError:
-                    if out:  # what came before the failure goes first (it may commit the stream)
-                        yield b"".join(b"".join(part) for part in out)
-                    raise
+                    chunk = await _next(source, deadline)
+                except TimeoutError:
+                    break  # the grace after the finish reason passed: the round ends here
+                if chunk is None:
+                    eof = True
+                    break
+                frames, failure = self._feed(converter, parser, chunk)
+                if failure is not None:
+                    if frames:  # what came before the failure goes first (it may commit the stream)
+                        yield frames
+                    raise failure
                 ledger.release(held)
                 held = 0
                 held = ledger.admit_stream_bytes(parser.pending, transient=False)
                 if converter.retained > kept_bytes:
                     kept += ledger.admit_stream_bytes(converter.retained - kept_bytes, transient=False)
                     kept_bytes = converter.retained
-                frames = b"".join(b"".join(part) for part in out)
                 if frames:
                     yield frames
+                now = (converter.finished, converter.c.usage is not None)
+                if converter.finished and now != marks:
+                    deadline, marks = asyncio.get_running_loop().time() + FINISH_GRACE_S, now
             if not converter.ended:
-                if parser.pending:
+                if parser.pending and eof:
                     raise UpstreamIncomplete("the Chat Completions upstream stream ended inside a frame")
                 yield b"".join(_encode(converter.done()))
         finally:
             ledger.release(held + kept)
+            if converter.ended:
+                await self._inner.aclose()  # bytes after [DONE] or the grace are never read
+
+    def _feed(
+        self, converter: StreamConverter, parser: SSEParser, chunk: bytes
+    ) -> tuple[bytes, UpstreamError | None]:
+        """The Responses frames for one read of upstream bytes, up to the terminal (what follows
+        ``[DONE]`` in the same read is dropped), and the translation's failure (None when none):
+        the frames before a failure still go to the client first. Raises `UpstreamInvalid` for
+        a line that is not UTF-8."""
+        step = self._ledger.admit_stream_bytes(len(chunk))
+        try:
+            events = parser.feed(chunk)
+        except SSEDecodeError:
+            raise UpstreamInvalid(
+                "the Chat Completions upstream sent a stream line that is not UTF-8"
+            ) from None
+        finally:
+            self._ledger.release(step)
+        out: list[bytes] = []
+        for event in events:
+            if converter.ended:
+                break
+            try:
+                out.extend(self._translate(converter, event.data))
+            except UpstreamError as failure:
+                return b"".join(out), failure
+        return b"".join(out), None
 
     def _translate(self, converter: StreamConverter, data: bytes) -> list[bytes]:
-        """The Responses frames for one Chat ``data:`` payload (its parse checked first)."""
-        if converter.ended:
-            raise reply_failure("frame_after_terminal")
+        """The Responses frames for one Chat ``data:`` payload (its parse checked first: strict,
+        ``NaN`` / ``Infinity`` refused as in a buffered body)."""
+        from middleware.upstream.reader import loads_upstream
+
         if data.strip() == b"[DONE]":
             return _encode(converter.done())
         self._ledger.check_stream_frame_bounded(data)
         try:
-            obj: Any = json.loads(data)
+            obj: Any = loads_upstream(data)
         except (ValueError, RecursionError):
             raise reply_failure("invalid_chunk") from None
         if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
             from middleware.upstream.errors import stream_error_failure
+            from middleware.upstream.reader import refuse_lone_surrogates
 
+            refuse_lone_surrogates(obj, "Chat stream error")  # its message is handed on (chunks: chunk())
             raise stream_error_failure(obj)  # an in-band error object: the upstream's code kept
         return _encode(converter.chunk(obj))
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+async def _next(source: AsyncIterator[bytes], deadline: float | None) -> bytes | None:
+    """The next read of `source`, None at its end. Raises TimeoutError once `deadline` (loop
+    time) has passed (no deadline: the transport's own read timeout applies)."""
+    try:
+        if deadline is None:
+            return await anext(source)
+        async with asyncio.timeout(max(0.0, deadline - asyncio.get_running_loop().time())):
+            return await anext(source)
+    except StopAsyncIteration:
+        return None
 
 
 def _encode(events: list[tuple[str, dict[str, Any]]]) -> list[bytes]:

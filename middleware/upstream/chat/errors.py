@@ -22,7 +22,6 @@ REPLY_MESSAGES: dict[str, str] = {
         "on index 0 or omits the index, set tool_call_profile: tolerant for it"
     ),
     "legacy_function_call": "the Chat Completions upstream used unsupported legacy function calling",
-    "frame_after_terminal": "the Chat Completions upstream sent data after its stream ended",
     "limit_tool_calls": "the Chat Completions upstream stream exceeded the tool-call limit of one round",
     "limit_tool_arguments": "a tool call's arguments from the Chat Completions upstream exceeded their size limit",
     "limit_events": "the Chat Completions upstream stream exceeded the event limit of one round",

@@ -14,11 +14,13 @@ response id: every round of a loop would otherwise mint the same ids.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from middleware.ids import new_id
 from middleware.upstream.chat.dialect import ChatDialect
 from middleware.upstream.chat.errors import reply_failure
+from middleware.upstream.reader import refuse_lone_surrogates
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
 INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -136,7 +138,9 @@ def output_items(c: Completion, status: str) -> list[dict[str, Any]]:
 
 
 def build_response(c: Completion, *, created_at: int | None = None) -> dict[str, Any]:
-    """The Responses object of the round (the loop fills the echo fields from the request)."""
+    """The Responses object of the round (the loop fills the echo fields from the request).
+    ``completed_at`` (Unix seconds) is now for a ``completed`` response, null otherwise, as a
+    Responses upstream answers."""
     status, details = status_of(c.finish_reason)
     response: dict[str, Any] = {
         "id": "resp_" + (c.id or new_id("chat")).replace("-", "_")[-48:],
@@ -145,6 +149,7 @@ def build_response(c: Completion, *, created_at: int | None = None) -> dict[str,
         "model": c.model,
         "status": status,
         "incomplete_details": details,
+        "completed_at": int(time.time()) if status == "completed" else None,
         "error": None,
         "output": output_items(c, status),
         "usage": usage_of(c.usage),
@@ -167,18 +172,39 @@ def _reasoning_field(obj: dict[str, Any], dialect: ChatDialect) -> str:
 
 
 def _string(value: Any) -> str:
-    return value if isinstance(value, str) else ""
+    """A text field of the message: a string, null (""), else refused."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise reply_failure("invalid_completion")
+    return value
+
+
+def _content(value: Any) -> str:
+    """``message.content``: a string, null, or a list of ``{"type": "text", "text": ...}`` parts
+    (joined); any other part is refused (nothing is dropped silently)."""
+    if not isinstance(value, list):
+        return _string(value)
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise reply_failure("invalid_completion")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def completion_from_body(body: Any, dialect: ChatDialect) -> Completion:
     """A ``chat.completion`` body as a `Completion` (only ``choices[0]`` is used). Raises
-    `ChatReplyInvalid` for a body that is not one, a tool call without a function name, legacy
-    ``function_call`` or an unknown finish reason."""
+    `ChatReplyInvalid` for a body that is not one (a role other than ``assistant``, a content
+    part that is not text, non-string ``arguments``), a tool call without a function name, two
+    different calls with one id (an identical repeat is dropped), legacy ``function_call`` or an
+    unknown finish reason; `UpstreamInvalid` for a string holding a lone surrogate."""
+    refuse_lone_surrogates(body, "Chat completion body")
     choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise reply_failure("invalid_completion")
     message = choices[0].get("message")
-    if not isinstance(message, dict):
+    if not isinstance(message, dict) or message.get("role", "assistant") != "assistant":
         raise reply_failure("invalid_completion")
     finish = choices[0].get("finish_reason")
     if finish == "function_call" or message.get("function_call") is not None:
@@ -189,7 +215,7 @@ def completion_from_body(body: Any, dialect: ChatDialect) -> Completion:
         id=str(body.get("id") or ""),
         model=str(body.get("model") or ""),
         created=body.get("created") if isinstance(body.get("created"), int) else None,
-        text=_string(message.get("content")),
+        text=_content(message.get("content")),
         refusal=_string(message.get("refusal")),
         reasoning=_reasoning_field(message, dialect),
         finish_reason=finish,
@@ -198,18 +224,29 @@ def completion_from_body(body: Any, dialect: ChatDialect) -> Completion:
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list) or len(calls) > dialect.max_tool_calls:
         raise reply_failure("invalid_tool_stream" if not isinstance(calls, list) else "limit_tool_calls")
+    by_id: dict[str, ToolCall] = {}
     for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if (
-            not isinstance(function, dict)
-            or not isinstance(function.get("name"), str)
-            or not function["name"]
-        ):
-            raise reply_failure("invalid_tool_stream")
-        arguments = function.get("arguments")
-        arguments = arguments if isinstance(arguments, str) else "{}"
-        if len(arguments.encode()) > dialect.max_tool_call_argument_bytes:
-            raise reply_failure("limit_tool_arguments")
-        call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else new_id("call")
-        c.calls.append(ToolCall(call_id=call_id, name=function["name"], arguments=arguments))
+        made = _body_call(call, dialect)
+        seen = by_id.get(made.call_id)
+        if seen is not None:
+            if (seen.name, seen.arguments) != (made.name, made.arguments):
+                raise reply_failure("invalid_tool_stream")  # two different calls, one id
+            continue  # the same call twice: kept once
+        by_id[made.call_id] = made
+        c.calls.append(made)
     return c
+
+
+def _body_call(call: Any, dialect: ChatDialect) -> ToolCall:
+    """One ``message.tool_calls[]`` entry: a function name, ``arguments`` JSON text (absent: ``{}``;
+    any other type refused), the id (made when absent)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise reply_failure("invalid_tool_stream")
+    arguments = function.get("arguments", "{}")
+    call_id = call.get("id")
+    if not isinstance(arguments, str) or not isinstance(call_id, (str, type(None))):
+        raise reply_failure("invalid_tool_stream")
+    if len(arguments.encode()) > dialect.max_tool_call_argument_bytes:
+        raise reply_failure("limit_tool_arguments")
+    return ToolCall(call_id=call_id or new_id("call"), name=function["name"], arguments=arguments)

@@ -19,10 +19,21 @@ Tool calls are decided from the accumulated calls, never from ``finish_reason`` 
 arguments starts a new call (servers that put every call on ``index: 0``), a fragment without
 ``index`` continues the last call or, with a new id, starts one, and a call without an id gets
 one. Every failure raises through `middleware.upstream.chat.errors.reply_failure`.
+
+Upstream strings are checked once per chunk for lone surrogates (`refuse_lone_surrogates`: 502
+``upstream_invalid_response`` / an error frame, as the reader refuses them), so every later
+UTF-8 count is safe. Azure OpenAI's metadata-only chunks (an empty ``id``, no choices or choices
+carrying only ``content_filter_results`` / ``prompt_filter_results``) are skipped; a non-empty
+``id`` that changes is refused. Text, reasoning and arguments are kept as lists of pieces with a
+running byte count and joined once at the terminal: linear in the reply, never a copy per delta.
+A call re-sent whole (its id and name again with an argument piece that is itself a JSON object,
+once it has arguments) is dropped when identical to what was accumulated and refused otherwise
+(never ``{}{}``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from middleware.ids import new_id
@@ -38,6 +49,7 @@ from middleware.upstream.chat.response import (
     message_item,
     reasoning_item,
 )
+from middleware.upstream.reader import refuse_lone_surrogates
 
 Event = tuple[str, dict[str, Any]]
 
@@ -45,12 +57,13 @@ Event = tuple[str, dict[str, Any]]
 class _Slot:
     """A call being streamed: its identity so far, its arguments, whether it was announced."""
 
-    __slots__ = ("announced", "args", "call", "call_id", "name", "output_index")
+    __slots__ = ("announced", "args", "call", "call_id", "name", "nbytes", "output_index")
 
     def __init__(self) -> None:
         self.call_id = ""
         self.name = ""
-        self.args: list[str] = []
+        self.args: list[str] = []  # the argument pieces, joined once at the terminal
+        self.nbytes = 0  # UTF-8 bytes of `args`
         self.announced = False
         self.output_index = -1
         self.call: ToolCall | None = None
@@ -78,6 +91,7 @@ class StreamConverter:
         self._reasoning_index = -1
         self._text_part = -1
         self._refusal_part = -1
+        self._pieces: dict[str, list[str]] = {"text": [], "refusal": [], "reasoning": []}
 
     # -- emission --------------------------------------------------------------------------
     def _event(self, out: list[Event], kind: str, payload: dict[str, Any]) -> None:
@@ -87,14 +101,17 @@ class StreamConverter:
         out.append((kind, {"type": kind, "sequence_number": self.seq, **payload}))
         self.seq += 1
 
-    def _keep(self, text: str) -> None:
-        self.retained += len(text.encode())
+    def _keep(self, text: str) -> int:
+        """Count `text` as retained; its UTF-8 bytes (lone surrogates were refused in `chunk`)."""
+        size = _utf8_len(text)
+        self.retained += size
+        return size
 
     def _snapshot(self, status: str) -> dict[str, Any]:
         response = build_response(
             Completion(id=self.c.id, model=self.c.model, created=self.c.created), created_at=self.created_at
         )
-        response.update(status=status, output=[], usage=None, incomplete_details=None)
+        response.update(status=status, output=[], usage=None, incomplete_details=None, completed_at=None)
         return response
 
     # -- input -----------------------------------------------------------------------------
@@ -102,7 +119,10 @@ class StreamConverter:
         """The events for one ``chat.completion.chunk``."""
         out: list[Event] = []
         if self.ended:
-            raise reply_failure("frame_after_terminal")
+            raise reply_failure("invalid_chunk")  # the caller stops reading at the terminal
+        refuse_lone_surrogates(obj, "Chat stream chunk")
+        if _metadata_only(obj):
+            return out
         if not isinstance(obj, dict) or obj.get("object", "chat.completion.chunk") != "chat.completion.chunk":
             raise reply_failure("invalid_chunk")
         self._identity(obj, out)
@@ -141,18 +161,21 @@ class StreamConverter:
             self.c.created = obj.get("created") if isinstance(obj.get("created"), int) else None
             self._event(out, "response.created", {"response": self._snapshot("in_progress")})
             self._event(out, "response.in_progress", {"response": self._snapshot("in_progress")})
-        elif (rid is not None and rid != self.c.id) or (model is not None and model != self.c.model):
-            raise reply_failure("invalid_chunk")
+        elif (rid not in (None, "") and rid != self.c.id) or (
+            model not in (None, "") and model != self.c.model
+        ):
+            raise reply_failure("invalid_chunk")  # an empty id/model is absent; a changed one is refused
 
     def _delta(self, delta: dict[str, Any], out: list[Event]) -> None:
         reasoning = _reasoning_field(delta, self.dialect)
         if reasoning:
             self._reasoning(reasoning, out)
-        refusal = delta.get("refusal")
-        if isinstance(refusal, str) and refusal:
+        refusal, content = delta.get("refusal"), delta.get("content")
+        if not isinstance(refusal, (str, type(None))) or not isinstance(content, (str, type(None))):
+            raise reply_failure("invalid_chunk")
+        if refusal:
             self._text(refusal, out, refusal=True)
-        content = delta.get("content")
-        if isinstance(content, str) and content:
+        if content:
             self._text(content, out, refusal=False)
         calls = delta.get("tool_calls")
         if calls is not None:
@@ -174,7 +197,7 @@ class StreamConverter:
                 "response.content_part.added",
                 self._where(self.c.reasoning_id, self._reasoning_index, 0, part=part),
             )
-        self.c.reasoning += text
+        self._pieces["reasoning"].append(text)
         self._keep(text)
         self._event(
             out,
@@ -206,11 +229,10 @@ class StreamConverter:
             )
         self._keep(text)
         where = self._where(self.c.message_id, self._message_index, part_index, delta=text)
+        self._pieces["refusal" if refusal else "text"].append(text)
         if refusal:
-            self.c.refusal += text
             self._event(out, "response.refusal.delta", where)
         else:
-            self.c.text += text
             self._event(out, "response.output_text.delta", {**where, "logprobs": []})
 
     def _where(self, item_id: str, output_index: int, content_index: int, **more: Any) -> dict[str, Any]:
@@ -261,6 +283,11 @@ class StreamConverter:
         if not isinstance(function, dict):
             raise reply_failure("invalid_tool_stream")
         name, args = function.get("name"), function.get("arguments")
+        if any(not isinstance(v, (str, type(None))) for v in (fid, name, args)):
+            raise reply_failure("invalid_tool_stream")  # e.g. arguments as an object, not JSON text
+        if fid and fid == slot.call_id and name and slot.args and args and _is_object(args):
+            self._repeated(slot, args)  # the whole call again: dropped when identical
+            return
         if isinstance(fid, str) and fid and fid != slot.call_id:
             if slot.args or slot.announced:
                 raise reply_failure("invalid_tool_stream")
@@ -281,15 +308,19 @@ class StreamConverter:
             self._announce(slot, out)
         assert slot.call is not None
         slot.args.append(args)
-        slot.call.arguments += args
-        self._keep(args)
-        if len(slot.call.arguments.encode()) > self.dialect.max_tool_call_argument_bytes:
+        slot.nbytes += self._keep(args)
+        if slot.nbytes > self.dialect.max_tool_call_argument_bytes:
             raise reply_failure("limit_tool_arguments")
         self._event(
             out,
             "response.function_call_arguments.delta",
             {"item_id": slot.call.item_id, "output_index": slot.output_index, "delta": args},
         )
+
+    def _repeated(self, slot: _Slot, args: str) -> None:
+        """A call sent again whole: identical (same bytes) is dropped, anything else refused."""
+        if _utf8_len(args) != slot.nbytes or "".join(slot.args) != args:
+            raise reply_failure("invalid_tool_stream")
 
     def _announce(self, slot: _Slot, out: list[Event]) -> None:
         """``output_item.added`` for a call whose identity is known (a made id when tolerant)."""
@@ -316,6 +347,11 @@ class StreamConverter:
         for slot in self._slots:  # a call identified but never given arguments is added late
             if not slot.announced:
                 self._announce(slot, out)
+            assert slot.call is not None
+            slot.call.arguments = "".join(slot.args)
+        self.c.text, self.c.refusal, self.c.reasoning = (
+            "".join(self._pieces[key]) for key in ("text", "refusal", "reasoning")
+        )
         final = build_response(self.c, created_at=self.created_at)
         by_index = dict(enumerate(final["output"]))
         for output_index, item in by_index.items():
@@ -347,3 +383,46 @@ class StreamConverter:
             else:
                 self._event(out, "response.output_text.done", {**where, "text": part["text"], "logprobs": []})
             self._event(out, "response.content_part.done", {**where, "part": part})
+
+
+def _utf8_len(text: str) -> int:
+    """UTF-8 bytes of `text` (no copy for ASCII). Raises UnicodeEncodeError on a lone surrogate,
+    which `chunk` refuses first."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def _is_object(text: str) -> bool:
+    """Whether one argument piece is by itself a whole JSON object (a re-sent complete call)."""
+    if not text.lstrip().startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+_CONTENT_KEYS = ("content", "refusal", "tool_calls", "function_call", "reasoning_content", "reasoning")
+
+
+def _metadata_only(obj: Any) -> bool:
+    """An Azure OpenAI filter-metadata chunk: an empty or absent ``id``, ``object`` empty or the
+    chunk one, no ``usage``, and no choice with delta content or a finish reason (the first
+    chunk's ``prompt_filter_results``, the asynchronous filter's ``content_filter_results``)."""
+    if not isinstance(obj, dict) or obj.get("id") not in (None, "") or obj.get("usage") is not None:
+        return False
+    if obj.get("object") not in (None, "", "chat.completion.chunk"):
+        return False
+    choices = obj.get("choices")
+    if choices is None:
+        return True
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+            return False
+        delta = choice.get("delta")
+        if delta is None:
+            continue
+        if not isinstance(delta, dict) or any(delta.get(key) not in (None, "", []) for key in _CONTENT_KEYS):
+            return False
+    return True
