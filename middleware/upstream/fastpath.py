@@ -73,6 +73,8 @@ _DECODER: Final = msgspec.json.Decoder()
 #: What the list-wise classification returns: ``(end, count, widest, heads)`` (`regular_prefix`).
 Run = tuple[int, int, int, list[dict[str, Any]]]
 _NONE: Final[Run] = (0, 0, 0, [])
+#: `regular_prefix`'s answer when the first frame's name is not regular (only its first line was read).
+NOT_REGULAR: Final[Run] = _NONE
 
 
 def key_total(value: Any) -> int:
@@ -196,7 +198,7 @@ def _vectorised(
         count = _settle(datas, decoded, kinds, next_sequence)
     count = _unrepeated(datas[:count], decoded[:count])
     if not count:
-        return _NONE
+        return (0, 0, 0, [])  # not `NOT_REGULAR`: this answer looked at every frame
     return sum(map(len, frames[:count])) + 2 * count, count, max(map(len, datas[:count])), decoded[:count]
 
 

@@ -33,6 +33,7 @@ from middleware.upstream.errors import (
 )
 from middleware.upstream.fastpath import (
     IRREGULAR_TYPES,
+    NOT_REGULAR,
     STITCHED_IRREGULAR_TYPES,
     frames_end,
     no_duplicate_keys,
@@ -181,16 +182,19 @@ async def read_stream_events(
             if idle is not None:
                 await idle()
             todo = await _next_read(chunks, timer, reader)
+            at = 0  # where the rest of this read starts (offsets: the rest is never copied)
             while True:
-                if split is not None and todo and not reader.parser.pending:
-                    segment, todo = await split(todo)  # forwards the regular frames first
+                if split is not None and at < len(todo) and not reader.parser.pending:
+                    segment, at = await split(todo, at)  # forwards the regular frames first
+                    if len(todo) > at > len(todo) // 2:  # drop what is done (copies O(read) in all)
+                        todo, at = todo[at:], 0
                 else:
-                    segment, todo = todo, b""
+                    segment, at = (todo[at:] if at else todo), len(todo)
                 for piece in [segment] if len(segment) <= SLICE else _slices(segment):
                     if piece or reader.ended:  # else: all of it forwarded (or an empty read)
                         for event in reader.feed(piece):
                             yield event
-                if not todo:
+                if at >= len(todo):
                     break
     finally:
         reader.close()
@@ -280,7 +284,7 @@ class _FastPath:
     regular frames at the start of what is left of a read to ``on_run`` and cuts the next frame
     off for the exact path."""
 
-    __slots__ = ("_client", "_fast", "_irregular", "_ledger", "_names")
+    __slots__ = ("_client", "_fast", "_irregular", "_ledger", "_names", "_window")
 
     def __init__(self, ledger: Ledger, client: ClientStream, fast: FastRun) -> None:
         self._ledger = ledger
@@ -288,29 +292,48 @@ class _FastPath:
         self._fast = fast
         self._irregular = IRREGULAR_TYPES if fast.acc is None else STITCHED_IRREGULAR_TYPES
         self._names: dict[bytes, str] = {}  # event names found regular in this stream
+        self._window: int | None = None  # frames looked at per call; None: all of the read
 
-    async def split(self, chunk: bytes) -> tuple[bytes, bytes]:
-        """Forward the regular frames at the start of `chunk` (bytes of an upstream read that
-        start at a frame boundary, the parser holding nothing) when the consumer takes them, the
-        one ledger bound for all of `chunk` fits and the pool has room; return ``(segment,
-        rest)``: `segment` for the exact path (the next frame, up to and with its blank line;
-        all of what is left when no blank line follows), `rest` for this method again."""
-        end, count, widest, heads = regular_prefix(
-            chunk, self._client.next_sequence, self._names, self._irregular
-        )
+    async def split(self, chunk: bytes, start: int) -> tuple[bytes, int]:
+        """Forward the regular frames at ``chunk[start:]`` (an upstream read; `start` at a frame
+        boundary, the parser holding nothing) when the consumer takes them, the one ledger bound
+        for all of `chunk` fits and the pool has room; return ``(segment, next)``: `segment` for
+        the exact path (the next frame, up to and with its blank line; all of what is left when no
+        blank line follows), `next` the offset this method goes on from.
+
+        The frames looked at per call are bounded (`_window`) once a look was mostly wasted (the
+        consumer took few of them, say the stitcher refusing a gateway call's argument deltas), so
+        a read of n such frames costs O(n × `FAST_WINDOW`), not O(n²); a run taken whole widens
+        the window again (×4)."""
+        wend = _frames_end_from(chunk, start, self._window)
+        block = chunk if start == 0 and wend == len(chunk) else chunk[start:wend]
+        found = regular_prefix(block, self._client.next_sequence, self._names, self._irregular)
+        end, count, widest, heads = found
         accept = self._fast.accept
         if count and accept is not None and (taken := accept(heads)) < count:
             count, heads = taken, heads[:taken]
-            end = frames_end(chunk, count)
-        if not count or not await self._forward(chunk, end, count, widest, heads):
-            end = 0  # left unchanged: the exact path meets the same checks, frame by frame
-        cut = chunk.find(b"\n\n", end)
+            end = frames_end(block, count)
+        if not count or not await self._forward(block, end, count, widest, heads, held=len(chunk)):
+            end, count = 0, 0  # left unchanged: the exact path meets the same checks, frame by frame
+        if found is not NOT_REGULAR:  # (that answer looked at the first line only)
+            self._resize(block, end, count)
+        at = start + end
+        cut = chunk.find(b"\n\n", at)
         if cut < 0:
-            return chunk[end:], b""
-        return chunk[end : cut + 2], chunk[cut + 2 :]
+            return chunk[at:], len(chunk)
+        return chunk[at : cut + 2], cut + 2
+
+    def _resize(self, block: bytes, end: int, count: int) -> None:
+        """Narrow the window to `FAST_WINDOW` frames when fewer than half of the frames looked at
+        in `block` were taken (`count` of them, ending at `end`); widen it ×4 when all were."""
+        if end == len(block):
+            if self._window is not None:
+                self._window *= 4
+        elif count + 1 < block.count(b"\n\n", end) // 2:
+            self._window = FAST_WINDOW
 
     async def _forward(
-        self, chunk: bytes, end: int, count: int, widest: int, heads: list[dict[str, Any]]
+        self, chunk: bytes, end: int, count: int, widest: int, heads: list[dict[str, Any]], *, held: int
     ) -> bool:
         """Admit what the run keeps and check the read's bound; forward the run when both fit
         (True), else change nothing (False). What the accumulator keeps is admitted first, so the
@@ -320,7 +343,7 @@ class _FastPath:
         if acc is not None and staged is None:
             return False
         try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
-            charge = ledger.admit_stream_bytes(widest) if ledger.stream_read_fits(len(chunk), widest) else -1
+            charge = ledger.admit_stream_bytes(widest) if ledger.stream_read_fits(held, widest) else -1
         except (BudgetExceeded, PoolExhausted):
             charge = -1
         if charge < 0:
@@ -334,6 +357,24 @@ class _FastPath:
         finally:
             ledger.release(charge)
         return True
+
+
+#: Frames the fast path looks at per call once a look was mostly wasted (`_FastPath.split`).
+FAST_WINDOW = 16
+
+
+def _frames_end_from(chunk: bytes, start: int, frames: int | None) -> int:
+    """The offset just past `frames` whole frames of ``chunk[start:]`` (each ending with a blank
+    line), or ``len(chunk)`` when there are fewer (or `frames` is None)."""
+    if frames is None:
+        return len(chunk)
+    at = start
+    for _ in range(frames):
+        cut = chunk.find(b"\n\n", at)
+        if cut < 0:
+            return len(chunk)
+        at = cut + 2
+    return at
 
 
 def _slices(chunk: bytes) -> list[bytes]:

@@ -282,3 +282,56 @@ def test_frames_the_fast_path_cannot_prove_go_out_unchanged_by_the_exact_path(fr
     assert regular_prefix(block, 0, {})[1] == 1  # left to the exact path
     out, outcome, runs = run_stream([block], fast=True, limit=64 << 20)
     assert (out, outcome, runs) == (block, "response.completed", 1)
+
+
+def test_a_read_the_consumer_keeps_refusing_is_looked_at_in_linear_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read of n regular-named frames the consumer takes none of (the stitcher hiding a
+    gateway call's argument deltas) costs O(n) bytes of fast-path scanning, not O(n²): after a
+    wasted look the window narrows to `FAST_WINDOW` frames. Counted in bytes handed to
+    `regular_prefix`; the client bytes are the exact path's."""
+    import middleware.upstream.reader as reader_module
+
+    scanned = 0
+    real = reader_module.regular_prefix
+
+    def counting(block: bytes, *args: Any) -> Any:
+        nonlocal scanned
+        scanned += len(block)
+        return real(block, *args)
+
+    monkeypatch.setattr(reader_module, "regular_prefix", counting)
+    n = 3000
+    body = b"".join(_delta(i) for i in range(n)) + _terminal(n)
+
+    async def go() -> bytes:
+        out: list[bytes] = []
+
+        async def send(message: Any) -> None:
+            if message["type"] == "http.response.body":
+                out.append(message["body"])
+
+        client = ClientStream(send)
+        ledger = Ledger(64 << 20, model=ChargeModel.named("reference"), store=False)
+
+        async def on_event(event: UpstreamEvent) -> None:
+            await client.forward(event.type, event.data, event.obj, changed=event.changed)
+
+        await read_round(
+            _Response([body]),
+            ledger,
+            client=client,
+            on_event=on_event,
+            on_run=client.forward_run,
+            accept=lambda heads: 0,
+        )
+        await client.flush()
+        return b"".join(out)
+
+    out = asyncio.run(go())
+    assert out == body  # every frame went the exact path, unchanged
+    # each refused frame costs a look at FAST_WINDOW frames at most: O(n); before, every look saw
+    # all of the rest of the read, about n / 2 = 1500 reads' worth
+    assert scanned <= (reader_module.FAST_WINDOW + 2) * len(body)
+    assert scanned >= len(body)  # the first look saw the whole read
