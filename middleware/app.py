@@ -98,14 +98,22 @@ async def failure_handler(request: Request, exc: Exception) -> Response:
     return failure_response(exc)
 
 
+#: Appended to the 405 of a plain ``GET /v1/responses`` (WebSocket mode is a GET with an upgrade).
+WEBSOCKET_HINT = (
+    "; create a response with POST, or open WebSocket mode with a GET that carries the WebSocket "
+    "upgrade (Connection: Upgrade, Upgrade: websocket; e.g. ws://HOST/v1/responses)"
+)
+
+
 async def route_error_response(request: Request, exc: Exception) -> Response:
     """Unknown paths (404 ``unknown_url``) and wrong methods (405 with ``Allow``)."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
         allow = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
-        return failure_response(
-            MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow)
-        )
+        message = f"{request.method} is not allowed on {request.url.path}"
+        if request.url.path == "/v1/responses" and request.method == "GET":
+            message += WEBSOCKET_HINT
+        return failure_response(MethodNotAllowed(message, allow=allow))
     return failure_response(UnknownRoute(f"no route {request.url.path}"))
 
 

@@ -22,7 +22,15 @@ from typing import Any
 
 import uvicorn
 
-from middleware.config import FIELDS, FlatSetting, Settings, SettingsError, default_text, load_settings
+from middleware.config import (
+    FIELDS,
+    FlatSetting,
+    Settings,
+    SettingsError,
+    default_text,
+    ignored_dialect_settings,
+    load_settings,
+)
 from middleware.ops.admission import install_drain_hook
 from middleware.ops.connections import connection_options, fd_overcommit, resolve_max_connections
 from middleware.ops.request_id import log_config
@@ -30,14 +38,14 @@ from middleware.ops.request_id import log_config
 
 def add_setting_flags(parser: argparse.ArgumentParser, specs: Mapping[str, FlatSetting] = FIELDS) -> None:
     """One flag per setting of `specs` that has one (`Spec.flag`), generated from the field
-    metadata: ``--upstream-read-timeout`` with ``type=float`` and the help "… (default 600 s)";
+    metadata: ``--upstream-read-timeout`` with ``type=float`` and the help "… (default 600 s;
+    $LOOPWARDEN_UPSTREAM_READ_TIMEOUT)";
     repeatable (``action="append"``) for a list. Unset flags parse as None (``argument_default``)."""
     for entry in specs.values():
         if not entry.spec.flag:
             continue
-        default = default_text(entry, markdown=False)
-        shown = "" if default == "—" else f"default {default}; "
-        help = f"{entry.spec.help} ({shown}${entry.env})"
+        shown = [part for part in (default_text(entry, markdown=False), f"${entry.env}") if part]
+        help = f"{entry.spec.help} ({'; '.join(shown)})"
         kwargs: dict[str, Any] = {"help": help.replace("%", "%%"), "dest": entry.name}
         if entry.spec.choices:
             kwargs["metavar"] = "{" + ",".join(entry.spec.choices) + "}"
@@ -92,6 +100,29 @@ def uvicorn_options(settings: Settings, nofile: int | None = None) -> dict[str, 
     }
 
 
+def start_up_line(settings: Settings) -> str:
+    """The line ``serve`` prints before uvicorn starts: the address, the upstream and the API it
+    speaks (``upstream_api=chat``), the limits and uvicorn's stack."""
+    t = settings.transport
+    return (
+        f"loopwarden: starting on http://{t.host}:{t.port} "
+        f"(upstream: {settings.upstream.url or 'embedded development model'}, "
+        f"upstream_api={settings.upstream.api}, "
+        f"max_infer_iters={settings.loop.max_infer_iters}, max_retained_bytes={settings.loop.max_retained_bytes}, "
+        f"http={t.http}, loop={t.loop}, max_connections={resolve_max_connections(settings)} per worker)"
+    )
+
+
+def dialect_warning(ignored: list[str]) -> str:
+    """The one start-up warning for the dialect settings `ignored_dialect_settings` found
+    (``name=value`` / ``models.NAME.name=value``): an upstream that speaks ``responses`` never
+    reads them."""
+    return (
+        f"loopwarden: WARNING: ignored, the upstream speaks responses: {', '.join(ignored)}; these "
+        "settings apply only with upstream_api chat (server-wide or that model's)"
+    )
+
+
 def _warn_per_worker_store(settings: Settings) -> None:
     """With ``--workers`` > 1 an in-memory store is one store per worker: say so at start-up."""
     if settings.transport.workers > 1 and settings.store.url in (
@@ -139,17 +170,33 @@ def _capacity(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``loopwarden --help``: plain text (the module docstring is reStructuredText).
+DESCRIPTION = (
+    "loopwarden: a gateway for the OpenAI Responses API that runs the tool loop server-side under "
+    "hard limits. Commands: serve (the gateway), devmodel (the embedded development model alone), "
+    "capacity (recommend limits from Prometheus)."
+)
+#: ``loopwarden devmodel --help``.
+DEVMODEL_DESCRIPTION = (
+    "Serve the embedded development model alone: a scripted stand-in that speaks the Responses API "
+    "(POST /v1/responses) and Chat Completions (POST /v1/chat/completions), for trying the gateway "
+    "and its clients without a real model (loopwarden serve --upstream http://HOST:PORT/v1)."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The ``loopwarden`` parser: ``serve`` (flags generated from the settings), ``devmodel``
     and ``capacity``."""
-    parser = argparse.ArgumentParser(
-        prog="loopwarden", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = argparse.ArgumentParser(prog="loopwarden", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    dev = sub.add_parser("devmodel", help="serve only the embedded development model (no real model inside)")
-    dev.add_argument("--host", default="127.0.0.1")
-    dev.add_argument("--port", type=int, default=8000)
+    dev = sub.add_parser(
+        "devmodel",
+        help="serve only the embedded development model (no real model inside)",
+        description=DEVMODEL_DESCRIPTION,
+    )
+    dev.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    dev.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     cap = sub.add_parser("capacity", help="recommend limits from a Prometheus that scrapes the gateway")
     cap.add_argument(
         "--prometheus", required=True, help="base URL of the Prometheus server, e.g. http://127.0.0.1:9090"
@@ -201,15 +248,10 @@ def _serve(flags: dict[str, Any]) -> int:
             "the gateway is open to anyone who can reach it",
             file=sys.stderr,
         )
-    print(
-        f"loopwarden: starting on http://{settings.transport.host}:{settings.transport.port} "
-        f"(upstream: {settings.upstream.url or 'embedded development model'}, "
-        f"max_infer_iters={settings.loop.max_infer_iters}, max_retained_bytes={settings.loop.max_retained_bytes}, "
-        f"http={settings.transport.http}, loop={settings.transport.loop}, max_connections={resolve_max_connections(settings)} per worker)",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(start_up_line(settings), file=sys.stderr, flush=True)
     _warn_per_worker_store(settings)
+    if ignored := ignored_dialect_settings(settings):
+        print(dialect_warning(ignored), file=sys.stderr)
     if over := fd_overcommit(settings):
         print(
             f"loopwarden: WARNING: --max-connections, --backlog and the upstream pools may need {over} "

@@ -31,9 +31,17 @@ import yaml
 
 from budget import Limits
 from budget.limits import MAX_INFER_ITERS_RANGE, MAX_RETAINED_BYTES_RANGE
-from middleware.asgi.models import ModelConfigError, ModelRoute, parse_models
+from middleware.asgi.models import (
+    COMPACT_NEEDS_RESPONSES,
+    ModelConfigError,
+    ModelRoute,
+    parse_models,
+    route_keys,
+)
+from middleware.errors import choices_text
 from middleware.upstream.chat.dialect import (
     DEVELOPER_ROLES,
+    DIALECT_CHOICES,
     MAX_TOKENS_FIELDS,
     REASONING_DIALECTS,
     REASONING_REPLAYS,
@@ -49,7 +57,13 @@ _URL_SCHEMES = ("http://", "https://")
 class SettingsError(ValueError):
     """An invalid `Settings` value or config file; the message names the field and the fix.
 
-    A `budget.ConfigError` raised by `budget.Limits` is re-raised as this, with its message."""
+    ``field``: the flat name of the setting at fault when one is (``"max_retained_bytes"``,
+    ``"models"``), so that `load_settings` can name where its value came from. A
+    `budget.ConfigError` raised by `budget.Limits` is re-raised as this, with its message."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,17 +125,10 @@ def _num(value: float | None) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _choices_text(choices: tuple[str, ...]) -> str:
-    """``a or b``, ``a, b or c``; ``one of a, b, c, d`` beyond three."""
-    if len(choices) > 3:
-        return "one of " + ", ".join(choices)
-    return ", ".join(choices[:-1]) + " or " + choices[-1]
-
-
 def _problem(spec: Spec, value: Any) -> str | None:
     """What is wrong with `value` under `spec` (``"must be …"``), or None when it is valid."""
     if spec.choices and value not in spec.choices:
-        return f"must be {_choices_text(spec.choices)}, got {value!r}"
+        return f"must be {choices_text(spec.choices)}, got {value!r}"
     if spec.low is not None and value is not None:
         below = not value > spec.low if spec.open_low else not value >= spec.low
         if below or (spec.high is not None and not value <= spec.high):
@@ -175,7 +182,8 @@ def _validate(group: Any) -> None:
             object.__setattr__(group, field.name, value)
         spec = spec_of(field)
         if (problem := _problem(spec, value)) is not None:
-            raise SettingsError(f"{spec.flat or field.name} {problem}")
+            name = spec.flat or field.name
+            raise SettingsError(f"{name} {problem}", field=name)
 
 
 _S = "s"
@@ -188,16 +196,18 @@ class UpstreamSettings:
 
     url: str | None = setting(
         None,
-        "base URL of a Responses-compatible server, e.g. http://127.0.0.1:8000/v1",
-        doc="base URL of a Responses-compatible server, e.g. `http://127.0.0.1:8000/v1`",
+        "base URL of the model server, e.g. http://127.0.0.1:8000/v1: a Responses API server, or a "
+        "Chat Completions one with --upstream-api chat",
+        doc="base URL of the model server, e.g. `http://127.0.0.1:8000/v1`: a Responses API server, or a "
+        "Chat Completions one with `--upstream-api chat`",
         default_doc="*(embedded dev model)*",
         flat="upstream",
         rule=_http_url,
     )
     api_key: str | None = setting(
         None,
-        "bearer token sent upstream (prefer $LOOPWARDEN_UPSTREAM_API_KEY)",
-        doc="bearer token sent upstream",
+        "bearer token sent upstream; prefer the environment variable, which ps does not show",
+        doc="bearer token sent upstream (prefer `$LOOPWARDEN_UPSTREAM_API_KEY`: `ps` shows flags)",
         flat="upstream_api_key",
         secret=True,
     )
@@ -316,8 +326,8 @@ class LoopSettings:
         _validate(self)
         try:
             Limits(max_infer_iters=self.max_infer_iters, max_retained_bytes=self.max_retained_bytes)
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
+        except ValueError as exc:  # "max_retained_bytes must be in …": the field leads the message
+            raise SettingsError(str(exc), field=str(exc).split(" ", 1)[0]) from None
 
     @property
     def limits(self) -> Limits:
@@ -410,7 +420,8 @@ class AdmissionSettings:
 
     api_key: tuple[str, ...] = setting(
         (),
-        "a gateway API key clients must present; repeatable (prefer --api-key-file or $LOOPWARDEN_API_KEY)",
+        "a gateway API key clients must present; repeatable (prefer --api-key-file or the "
+        "comma-separated environment variable, which ps does not show)",
         doc="a gateway API key; repeatable (prefer `--api-key-file` or `$LOOPWARDEN_API_KEY`, "
         "comma-separated)",
         default_doc="— (open)",
@@ -549,9 +560,11 @@ class CompactionSettings:
     mode: str = setting(
         "auto",
         "who answers POST /v1/responses/compact: auto (the upstream's own /responses/compact, else "
-        "the gateway on 404/405), upstream or gateway",
+        "the gateway on 404/405; always the gateway on a chat upstream), upstream (needs upstream_api "
+        "responses) or gateway",
         doc="who answers `POST /v1/responses/compact`: `auto`, `upstream` or `gateway` (see "
-        "[Compaction](#compaction)); also per model",
+        "[Compaction](#compaction)); also per model. A Chat upstream always gets the gateway's "
+        "(`auto` never probes it; `upstream` is refused at start-up)",
         choices=COMPACT_MODES,
         flat="upstream_compact",
     )
@@ -799,8 +812,9 @@ class FlatSetting:
 _TOP_SPECS = {
     "models": Spec(
         help="model names or fnmatch patterns mapped to their own upstream settings",
-        doc="model names or `fnmatch` patterns → their own `upstream`, `upstream_api_key`, timeouts, "
-        "`max_retained_bytes`, `max_infer_iters`, `upstream_compact`, `compact_max_output_tokens`",
+        doc="model names or `fnmatch` patterns → their own "
+        + ", ".join(f"`{key}`" for key in route_keys())
+        + " (keys with `-` or `_`)",
         flag=False,
     ),
     "config": Spec(
@@ -892,9 +906,10 @@ class Settings:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "models", dict(self.models))
         try:
-            parse_models(self.models)
+            routes = parse_models(self.models)
         except ModelConfigError as exc:
-            raise SettingsError(str(exc)) from None
+            raise SettingsError(str(exc), field="models") from None
+        _check_compact_api(self.upstream.api, self.compaction.mode, routes)
 
     def replace(self, **values: Any) -> Settings:
         """These settings with `values` applied (groups or flat names, as ``Settings(...)``):
@@ -941,6 +956,44 @@ class Settings:
         if raw is None:
             return load_settings({}, environ)
         return cls(**json.loads(raw))
+
+
+def _check_compact_api(api: str, mode: str, routes: tuple[ModelRoute, ...]) -> None:
+    """Refuse ``upstream_compact upstream`` wherever the upstream speaks Chat Completions (the
+    server-wide pair, or a model's own or inherited values): a Chat upstream has no
+    ``/responses/compact``, compaction there is always the gateway's (README "Compaction").
+    Raises SettingsError (field ``upstream_compact``, or ``models`` for a model's)."""
+    if api == "chat" and mode == "upstream":
+        raise SettingsError(COMPACT_NEEDS_RESPONSES, field="upstream_compact")
+    for route in routes:
+        if route.api(api) == "chat" and (route.upstream_compact or mode) == "upstream":
+            raise SettingsError(f"models.{route.name}: {COMPACT_NEEDS_RESPONSES}", field="models")
+
+
+#: The dialect settings only a Chat Completions upstream reads (`middleware.upstream.chat.dialect`).
+DIALECT_SETTINGS = tuple(DIALECT_CHOICES)
+
+
+def ignored_dialect_settings(settings: Settings) -> list[str]:
+    """The dialect settings set to a non-default value where no upstream reads them, as
+    ``name=value`` (server-wide: while neither the server nor any model speaks ``chat``) and
+    ``models.NAME.name=value`` (a model whose upstream speaks ``responses``); empty when none.
+    ``loopwarden serve`` warns about them once at start-up."""
+    defaults = {name: FIELDS[name].default for name in DIALECT_SETTINGS}
+    server_api = settings.upstream.api
+    routes = settings.model_routes
+    out = []
+    if server_api != "chat" and not any(route.upstream_api == "chat" for route in routes):
+        for name, default in defaults.items():
+            if (value := getattr(settings.upstream, name)) != default:
+                out.append(f"{name}={value}")
+    for route in routes:
+        if route.api(server_api) == "chat":
+            continue
+        for name, default in defaults.items():
+            if (value := getattr(route, name)) not in (None, default):
+                out.append(f"models.{route.name}.{name}={value}")
+    return out
 
 
 def _coerce(entry: FlatSetting, value: Any, source: str) -> Any:
@@ -1029,22 +1082,59 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] = os.envi
     config_path = given.get("config") or env.get("config")
     from_file = read_config_file(config_path) if config_path else {}
     flagged = {k: _coerce(FIELDS[k], v, "--flag") for k, v in given.items()}
-    return Settings(**{**from_file, **env, **flagged})
+    try:
+        return Settings(**{**from_file, **env, **flagged})
+    except SettingsError as exc:
+        # name where the faulty value came from, as the type errors of `_coerce` do
+        field = exc.field
+        if field is None or field in flagged:
+            raise
+        if field in env:
+            raise SettingsError(f"{exc} (from ${FIELDS[field].env})", field=field) from None
+        if field in from_file:
+            raise SettingsError(f"{exc} (from config file {config_path})", field=field) from None
+        raise
 
 
 def default_text(entry: FlatSetting, *, markdown: bool = True) -> str:
     """The default of `entry` as documented: ``"`600` s"``, ``"`10` (1..=100)"``, ``"—"``
-    (none), or its ``default_doc``; without `markdown`, plain (for ``--help``)."""
+    (none), or its ``default_doc``. Without `markdown`, as ``--help`` shows it inside its
+    parentheses: ``"default 600 s"``, ``"default 10, range 1..=100"``, ``"default 0: no cap"``,
+    ``"default: none"``, ``"default: none — open"``, ``"default: embedded dev model"``, or ``""``
+    when there is none to show."""
+    spec, value = entry.spec, entry.default
+    if not markdown:
+        return _plain_default(entry)
+    if spec.default_doc:
+        return spec.default_doc
+    if value in (None, (), {}):
+        return "—"
+    text = f"`{_num(value)}`" + (" s" if spec.unit == _S else "")
+    if spec.high is not None:
+        text += f" ({_range_text(spec).removeprefix('in ')})"
+    return text
+
+
+def _plain_default(entry: FlatSetting) -> str:
+    """`default_text` for ``--help``: no Markdown, no nested parentheses."""
     spec, value = entry.spec, entry.default
     if spec.default_doc:
-        text = spec.default_doc
-    elif value in (None, (), {}):
-        text = "—"
-    else:
-        text = f"`{_num(value)}`" + (" s" if spec.unit == _S else "")
-        if spec.high is not None:
-            text += f" ({_range_text(spec).removeprefix('in ')})"
-    return text if markdown else text.replace("`", "").replace("*", "")
+        text = spec.default_doc.replace("`", "").replace("*", "")
+        if text.startswith("— (") and text.endswith(")"):  # "— (open)": no value, and its meaning
+            meaning = text[3:-1]
+            return "default: none" if meaning == "none" else f"default: none — {meaning}"
+        if text.startswith("(") and text.endswith(")"):  # "*(embedded dev model)*"
+            return f"default: {text[1:-1]}"
+        value_text, sep, meaning = text.partition(" (")
+        if sep and meaning.endswith(")"):  # "`0` (no cap)"
+            return f"default {value_text}: {meaning[:-1]}"
+        return f"default {text}"
+    if value in (None, (), {}):
+        return ""
+    text = f"default {_num(value)}" + (" s" if spec.unit == _S else "")
+    if spec.high is not None:
+        text += f", range {_range_text(spec).removeprefix('in ')}"
+    return text
 
 
 def readme_table(specs: Mapping[str, FlatSetting] = FIELDS) -> str:

@@ -284,3 +284,11 @@ class ShieldHit(Failure):
             age=round(age, 3),
         )
         self.answer = answer
+
+
+def choices_text(choices: tuple[str, ...]) -> str:
+    """The allowed values of a setting or field as every "must be …" message lists them:
+    ``a``, ``a or b``, ``a, b or c`` (in the given order, however many)."""
+    if len(choices) < 2:
+        return "".join(choices)
+    return ", ".join(choices[:-1]) + " or " + choices[-1]

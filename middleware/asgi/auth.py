@@ -73,6 +73,7 @@ class Authenticator:
             if not any(hmac.compare_digest(digest, known) for known in self._digests):
                 what = "no API key was presented" if not key else "the API key is not valid for this gateway"
                 raise Unauthenticated(
-                    f"{what}; send Authorization: Bearer <key> with a key configured by --api-key"
+                    f"{what}; send Authorization: Bearer <key> with one of the gateway's keys (the "
+                    "operator configures them with --api-key, $LOOPWARDEN_API_KEY or --api-key-file)"
                 )
         return owner_of_key(key)

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from budget import Limits
+from middleware.errors import choices_text
 from middleware.upstream.chat.dialect import DIALECT_CHOICES
 
 ROUTE_FIELDS = frozenset(
@@ -49,6 +50,10 @@ ROUTE_FIELDS = frozenset(
 
 class ModelConfigError(ValueError):
     """An invalid ``models:`` entry; the message names the model and the field."""
+
+
+#: ``upstream_compact upstream`` on a Chat upstream (refused at start-up, README "Compaction").
+COMPACT_NEEDS_RESPONSES = "upstream_compact upstream needs upstream_api responses; use auto or gateway"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +85,11 @@ class ModelRoute:
         """True for an ``fnmatch`` pattern (``*``, ``?``, ``[``)."""
         return any(c in self.name for c in "*?[")
 
+    def api(self, server: str) -> str:
+        """What this model's upstream speaks: its ``upstream_api``, else `server` (the
+        server-wide ``upstream_api``: ``responses`` or ``chat``)."""
+        return self.upstream_api or server
+
     def limits(self, server: Limits) -> Limits:
         """The server's limits lowered by this model's."""
         return Limits.smallest(
@@ -91,8 +101,25 @@ class ModelRoute:
         )
 
 
+#: The fields of a route whose value is one of a few strings (the server-wide settings' choices).
+CHOICE_FIELDS: dict[str, tuple[str, ...]] = {
+    "charge_model": ("measured", "reference"),
+    "upstream_compact": ("auto", "upstream", "gateway"),
+    "upstream_api": ("responses", "chat"),
+    **DIALECT_CHOICES,
+}
+
+
+def route_keys() -> list[str]:
+    """Every ``models:`` entry key (`ROUTE_FIELDS`), in `ModelRoute` field order: what the
+    README configuration table and the unknown-key message list."""
+    return [f.name for f in dataclasses.fields(ModelRoute) if f.name in ROUTE_FIELDS]
+
+
 def parse_models(raw: Mapping[str, Any]) -> tuple[ModelRoute, ...]:
-    """Validate a ``models:`` mapping into routes (file order kept). Raises ModelConfigError."""
+    """Validate a ``models:`` mapping into routes (file order kept); entry keys may use dashes
+    or underscores (``upstream-api`` is ``upstream_api``), like the file's top-level keys.
+    Raises ModelConfigError naming the model and the field."""
     routes = []
     for name, entry in raw.items():
         if not isinstance(name, str) or not name:
@@ -100,35 +127,32 @@ def parse_models(raw: Mapping[str, Any]) -> tuple[ModelRoute, ...]:
         entry = entry or {}
         if not isinstance(entry, Mapping):
             raise ModelConfigError(f"models.{name} must be a mapping of settings, got {type(entry).__name__}")
+        entry = {str(key).replace("-", "_"): value for key, value in entry.items()}  # dashes too
         unknown = set(entry) - ROUTE_FIELDS
         if unknown:
             raise ModelConfigError(
-                f"models.{name}: unknown setting(s) {sorted(unknown)}; known: {sorted(ROUTE_FIELDS)}"
+                f"models.{name}: unknown setting(s) {sorted(unknown)}; known: {', '.join(route_keys())}"
             )
         upstream = entry.get("upstream")
         if upstream is not None and not str(upstream).startswith(("http://", "https://")):
             raise ModelConfigError(f"models.{name}.upstream must be an http(s):// URL, got {upstream!r}")
         route = ModelRoute(name=name, **dict(entry))
         try:
-            Limits(
-                max_retained_bytes=route.max_retained_bytes or 67_108_864,
-                max_infer_iters=route.max_infer_iters or 10,
+            Limits(  # 0 is out of range, not "the server's": only a missing key is
+                max_retained_bytes=67_108_864
+                if route.max_retained_bytes is None
+                else route.max_retained_bytes,
+                max_infer_iters=10 if route.max_infer_iters is None else route.max_infer_iters,
             )
         except ValueError as exc:
             raise ModelConfigError(f"models.{name}: {exc}") from None
-        if route.charge_model not in (None, "measured", "reference"):
-            raise ModelConfigError(
-                f"models.{name}.charge_model must be measured or reference, got {route.charge_model!r}"
-            )
-        if route.upstream_compact not in (None, "auto", "upstream", "gateway"):
-            raise ModelConfigError(
-                f"models.{name}.upstream_compact must be auto, upstream or gateway, got {route.upstream_compact!r}"
-            )
-        for field, choices in {"upstream_api": ("responses", "chat"), **DIALECT_CHOICES}.items():
+        for field, choices in CHOICE_FIELDS.items():
             if getattr(route, field) not in (None, *choices):
                 raise ModelConfigError(
-                    f"models.{name}.{field} must be one of {', '.join(choices)}, got {getattr(route, field)!r}"
+                    f"models.{name}.{field} must be {choices_text(choices)}, got {getattr(route, field)!r}"
                 )
+        if route.upstream_compact == "upstream" and route.upstream_api == "chat":
+            raise ModelConfigError(f"models.{name}: {COMPACT_NEEDS_RESPONSES}")
         tokens = route.compact_max_output_tokens
         if tokens is not None and not (isinstance(tokens, int) and 1 <= tokens <= 131_072):
             raise ModelConfigError(

@@ -14,7 +14,8 @@ app. Then `Compaction.run`:
    makes one summarising inference call (``/responses``, `COMPACT_PROMPT` as the last user
    message, ``max_output_tokens`` the ``compact_max_output_tokens`` cap, ``store: false``, no
    tools); ``auto`` tries the upstream until it answers once (then remembers, per upstream, for
-   the process) and falls back to ``gateway`` — for good — on a 404 or 405;
+   the process) and falls back to ``gateway`` — for good — on a 404 or 405; on a Chat
+   Completions upstream (``upstream_api: chat``) it is always ``gateway``, with no probe;
 4. answers the spec's ``CompactResource``: ``{"id", "object": "response.compaction",
    "created_at", "output": [every user message of the window (fresh ids, completed) …, one
    compaction item], "usage"}``, its compaction item sealed (`CompactionSeal`). Nothing is
@@ -64,8 +65,14 @@ FORWARDED = ("model", "instructions", "prompt_cache_key", "prompt_cache_retentio
 
 
 def compact_mode(state: GatewayState, route: ModelRoute | None) -> str:
-    """``auto``, ``upstream`` or ``gateway``: the route's ``upstream_compact``, else the server's."""
-    return (route.upstream_compact if route is not None else None) or state.settings.compaction.mode
+    """``auto``, ``upstream`` or ``gateway``: the route's ``upstream_compact``, else the server's;
+    always ``gateway`` when that upstream speaks Chat Completions (``upstream_api: chat`` has no
+    ``/responses/compact``: ``auto`` never probes it, ``upstream`` is refused at start-up)."""
+    settings = state.settings
+    api = route.api(settings.upstream.api) if route is not None else settings.upstream.api
+    if api == "chat":
+        return "gateway"
+    return (route.upstream_compact if route is not None else None) or settings.compaction.mode
 
 
 def lowering_for(state: GatewayState, route: ModelRoute | None) -> Lowering:

@@ -66,7 +66,8 @@ def test_a_setting_added_as_one_field_shows_up_in_help_env_and_readme() -> None:
     parser = _serve_parser(specs)  # type: ignore[arg-type]
     help_text = " ".join(parser.format_help().split())
     assert (
-        "--tool-retries TOOL_RETRIES retries of a failed gateway tool call (default 3 (0..=10); " in help_text
+        "--tool-retries TOOL_RETRIES retries of a failed gateway tool call (default 3, range 0..=10; "
+        in help_text
     )
     assert "$LOOPWARDEN_TOOL_RETRIES)" in help_text
     assert parser.parse_args(["--tool-retries", "4"]).tool_retries == 4
@@ -136,7 +137,7 @@ def test_serve_help_lists_defaults_units_and_variables(capsys: pytest.CaptureFix
     assert "(default 600 s; $LOOPWARDEN_UPSTREAM_READ_TIMEOUT)" in out
     assert "--upstream-client {aiohttp,httpx}" in out
     assert (
-        "--max-concurrent-requests MAX_CONCURRENT_REQUESTS requests in flight per worker (default 0 (no cap);"
+        "--max-concurrent-requests MAX_CONCURRENT_REQUESTS requests in flight per worker (default 0: no cap;"
         in out
     )
     assert "--compact-secret " not in out  # environment and file only, as before
@@ -208,7 +209,7 @@ def test_groups_validate_themselves_with_the_flat_names() -> None:
     assert str(info.value) == "mcp_list_ttl must be a number of seconds >= 0 (0: never cache), got nan"
     with pytest.raises(SettingsError) as info:
         Settings(log_level="loud")
-    assert str(info.value) == "log_level must be one of critical, error, warning, info, debug, got 'loud'"
+    assert str(info.value) == "log_level must be critical, error, warning, info or debug, got 'loud'"
     with pytest.raises(SettingsError) as info:
         Settings(store="mysql://x")
     assert str(info.value) == "store must be memory, sqlite:///PATH or postgresql://..., got 'mysql'"

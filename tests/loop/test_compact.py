@@ -29,6 +29,7 @@ from middleware.loop.compaction import (
     upstream_id,
 )
 from tests import spec_schema
+from tests.chat_upstream import completion
 from tests.helpers import FC, MetricDelta, gateway, message_item, response_obj, sdk
 from tests.loop.test_loop_e2e import text_stream
 from tests.mock_upstream import MockUpstream, Reply
@@ -271,6 +272,79 @@ def test_per_model_settings_override_the_server_wide_ones(upstream: MockUpstream
         client.responses.compact(model="m", input=CONVERSATION)
     assert paths(upstream) == ["/v1/responses"]
     assert upstream.requests[0].json()["max_output_tokens"] == 77
+
+
+# -- Chat Completions upstreams (upstream_api: chat) ------------------------------------------------
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"upstream_api": "chat"},  # server-wide, upstream_compact auto (the default)
+        {"models": {"m": {"upstream-api": "chat"}}},  # one model, a dashed key
+    ],
+    ids=["server", "model"],
+)
+def test_auto_on_a_chat_upstream_is_the_gateway_without_any_probe(
+    upstream: MockUpstream, config: dict[str, Any]
+) -> None:
+    upstream.push(Reply.json(completion("a Lisbon trip in May; hotel open")))
+    before = MetricDelta()
+    with gateway(upstream, **config) as (url, _), sdk(url) as client:
+        window = client.responses.compact(model="m", input=CONVERSATION)
+    assert paths(upstream) == ["/v1/chat/completions"]  # the summarising call, no /responses/compact
+    assert [i.type for i in window.output] == ["message", "message", "compaction"]
+    assert upstream.requests[0].json()["messages"][-1] == {"role": "user", "content": COMPACT_PROMPT}
+    assert before.delta("loopwarden_compactions_total", mode="gateway", outcome="ok") == 1
+    assert before.delta("loopwarden_compactions_total", mode="upstream", outcome="fallback") == 0
+    assert before.delta("loopwarden_upstream_errors_total", kind="status_4xx") == 0
+    assert before.delta("loopwarden_requests_total", status="404", model="other") == 0
+    assert (
+        before.delta("loopwarden_requests_total", status="200", model="m" if "models" in config else "other")
+        == 1
+    )
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"upstream_api": "chat", "upstream_compact": "upstream"},
+        {"upstream_compact": "upstream", "models": {"m": {"upstream_api": "chat"}}},
+        {"models": {"m": {"upstream_api": "chat", "upstream_compact": "upstream"}}},
+        {"upstream_api": "chat", "models": {"m": {"upstream-compact": "upstream"}}},
+    ],
+    ids=["server", "server-mode-model-api", "model", "server-api-model-mode"],
+)
+def test_upstream_compaction_on_a_chat_upstream_is_refused_at_start_up(config: dict[str, Any]) -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings(**config)
+    prefix = "models.m: " if "models" in config else ""
+    assert (
+        str(info.value)
+        == prefix + "upstream_compact upstream needs upstream_api responses; use auto or gateway"
+    )
+
+
+def test_serve_exits_2_on_upstream_compaction_over_chat() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "middleware.cli",
+            "serve",
+            "--upstream-api",
+            "chat",
+            "--upstream-compact",
+            "upstream",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "loopwarden: upstream_compact upstream needs upstream_api responses; use auto or gateway"
+    )
 
 
 # -- items that do not verify ----------------------------------------------------------------------

@@ -511,7 +511,10 @@ def test_setting_from_env_file_and_flag(tmp_path: Path) -> None:
 def test_invalid_setting_names_field_and_allowed_values() -> None:
     with pytest.raises(SettingsError) as info:
         load_settings({}, {"LOOPWARDEN_UPSTREAM_CLIENT": "requests"})
-    assert str(info.value) == "upstream_client must be aiohttp or httpx, got 'requests'"
+    assert (
+        str(info.value)
+        == "upstream_client must be aiohttp or httpx, got 'requests' (from $LOOPWARDEN_UPSTREAM_CLIENT)"
+    )
 
 
 def test_cli_refuses_an_invalid_client_with_exit_2() -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from middleware.errors import choices_text
+
 REASONING_DIALECTS = ("reasoning_content", "reasoning", "none")
 REASONING_REPLAYS = ("omit", "reasoning_content", "reasoning")
 MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens")
@@ -55,7 +57,7 @@ class ChatDialect:
         for field, choices in DIALECT_CHOICES.items():
             value = getattr(self, field)
             if value not in choices:
-                raise ValueError(f"{field} must be one of {', '.join(choices)}, got {value!r}")
+                raise ValueError(f"{field} must be {choices_text(choices)}, got {value!r}")
         for field in ("max_tool_calls", "max_tool_call_argument_bytes", "max_stream_events"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be at least 1, got {getattr(self, field)}")
