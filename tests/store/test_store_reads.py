@@ -17,8 +17,8 @@ import json
 import threading
 import time
 import uuid
-from fractions import Fraction
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
