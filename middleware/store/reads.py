@@ -57,8 +57,10 @@ cannot supply the first item now, or the request cap or memory pressure is hit),
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
+from fractions import Fraction
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -83,6 +85,7 @@ __all__ = [
     "StoreReads",
     "item_read_size",
     "read_ledger_limit",
+    "stored_byte_floor",
 ]
 
 #: Bytes and JSON nodes `present_item` may add to a stored item: a minted ``"id"`` (its key and a
@@ -124,6 +127,13 @@ def read_ledger_limit(
     are the history prices and ``c_*`` the cheapest create prices. The sizes compared are the
     stored ones (compact JSON, as measured at write time).
 
+    The measured model (``model.parse`` set) charges most owners by features, not by the
+    size-only prices: accumulated delta text costs its `str` plus the persisted projection (two
+    copies of its serialized bytes), × the margin. The projection is the floor every stored byte
+    paid at write (`stored_byte_floor`), so its price also bounds the cheapest create price per
+    byte: a ``failed`` response kept from many deltas (attack report D2) costs about 3.4 budget
+    bytes per stored byte at write, not the size-only 11.
+
     A model whose cheapest create price is 0 where the history price is not can store anything:
     the limit is then unbounded (``sys.maxsize``) and the pool bounds the read.
     """
@@ -140,17 +150,30 @@ def read_ledger_limit(
         model.accumulated_charge(0, 1, True),
         model.tool_result_charge(0, 1, True),
     )
+    byte_floor = min(Fraction(min(per_byte)), stored_byte_floor(model))
     scaled = max_retained_bytes
     for read, create in (
-        (model.history_charge(1, 0), min(per_byte)),
-        (model.history_charge(0, 1), min(per_node)),
+        (model.history_charge(1, 0), byte_floor),
+        (model.history_charge(0, 1), Fraction(min(per_node))),
     ):
         if create == 0:
             if read:
                 return sys.maxsize
             continue
-        scaled = max(scaled, -(-max_retained_bytes * read // create))
+        scaled = max(scaled, math.ceil(max_retained_bytes * read / create))
     return scaled + model.history_charge(extra_bytes, extra_nodes)
+
+
+def stored_byte_floor(model: ChargeModel) -> Fraction:
+    """The least a create request under ``model`` charges, with the store on, per byte of what it
+    stores (budget bytes per stored byte, exact). Size-only models (the reference one): unbounded
+    here (their size-only prices, in `read_ledger_limit`, decide). The measured model: the
+    persisted projection its feature prices charge for every stored byte, ``2 × margin`` (the
+    stored text and its encoding, both at least the stored length; `ChargeModel.measured_accumulated`,
+    ``measured_input``, ``measured_tool_result``), everything else it charges on top."""
+    if model.parse is None:
+        return Fraction(sys.maxsize)
+    return Fraction(2 * model.parse.margin_eighths, 8)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

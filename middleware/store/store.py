@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -323,6 +324,43 @@ class _Prepared:
     node_count: int
 
 
+#: Characters encoded at a time by `utf8_length` (at most 4 bytes each: a 4 MiB transient).
+_UTF8_CHUNK = 1 << 20
+
+
+def utf8_length(text: str) -> int:
+    """The length in bytes of ``text`` encoded as UTF-8, without holding its whole encoding: ASCII
+    text (the usual JSON) is its length; other text is encoded `_UTF8_CHUNK` characters at a time.
+    Saving a response keeps two copies of its output (the item rows and the response row: the
+    store's ×2 charge, DESIGN.md §4); a whole-text ``encode`` only to measure it was a third
+    (attack report D3). Raises `UnicodeEncodeError` for a lone surrogate (`encode_json` never
+    returns one)."""
+    if text.isascii():
+        return len(text)
+    return sum(len(text[i : i + _UTF8_CHUNK].encode("utf-8")) for i in range(0, len(text), _UTF8_CHUNK))
+
+
+def _encode_response(response: JsonObject, prepared: dict[int, _Prepared]) -> str:
+    """`encode_json` of ``response``, its ``output`` spliced from the items' texts already encoded
+    (``prepared``, keyed by ``id(item)``) when every output item is one of them: one join, so
+    saving holds the item texts and the response text and nothing more (encoding the whole
+    response again held the item texts and the encoder's fragments and their join: three copies
+    of a large output where the store charges two; attack report D3). Any other output: encoded
+    whole. The text equals `encode_json` of ``response`` (the items' texts are theirs)."""
+    output = response.get("output")
+    if not isinstance(output, list) or not output or any(id(item) not in prepared for item in output):
+        return encode_json(response)
+    marker = f"\x00loopwarden-output-{uuid.uuid4().hex}"  # encodes as a string nothing else holds
+    head, found, tail = encode_json({**response, "output": marker}).partition(encode_json(marker))
+    if not found:
+        return encode_json(response)
+    parts = [head, "["]
+    for k, item in enumerate(output):
+        parts += ("," if k else "", prepared[id(item)].text)
+    parts += ("]", tail)
+    return "".join(parts)
+
+
 def _prepare(item: object) -> _Prepared:
     if not isinstance(item, dict):
         raise ValueError(f"a stored item must be a JSON object, got {type(item).__name__}")
@@ -575,7 +613,7 @@ class Store:
             ("output", prepare(output_items)),
             ("replay", prepare(replay_items)),
         )
-        response_text = encode_json(response)
+        response_text = _encode_response(response, prepared_by_id)
         row = (
             resp.id,
             resp.owner,
@@ -588,7 +626,7 @@ class Store:
             encode_json(request),
             None if usage is None else encode_json(usage),
             response_text,
-            len(response_text.encode("utf-8")),
+            utf8_length(response_text),
         )
         item_rows = [
             (resp.id, role, seq, p.item_id, p.type, p.text, p.size_bytes, p.node_count)

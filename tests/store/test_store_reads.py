@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from middleware.store.reads import (
     PAGE_EXTRA_NODES,
     StoreReads,
     read_ledger_limit,
+    stored_byte_floor,
 )
 from middleware.store.store import StoredResponse, encode_json, present_item
 from tests.pg import PgServer
@@ -540,9 +542,13 @@ def test_the_read_ledger_limit_covers_the_cheapest_create_price() -> None:
         MODEL.accumulated_charge(0, 1, True),
         MODEL.tool_result_charge(0, 1, True),
     )
+    # The measured model's feature prices charge every stored byte at least its projection
+    # (2 copies × the 9/8 margin = 2.25), below every size-only price (attack report D2).
+    assert stored_byte_floor(MODEL) == Fraction(9, 4) < per_byte
+    assert stored_byte_floor(ChargeModel()) > ChargeModel().history_charge(1, 0)
     ratio_limit = max(
         limit,
-        -(-limit * MODEL.history_charge(1, 0) // per_byte),
+        -(-limit * MODEL.history_charge(1, 0) * 4 // 9),
         -(-limit * MODEL.history_charge(0, 1) // per_node),
     )
     assert read_ledger_limit(limit, MODEL) == ratio_limit
