@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -134,6 +135,8 @@ def _problem(spec: Spec, value: Any) -> str | None:
         if below or (spec.high is not None and not value <= spec.high):
             zero = f" (0: {spec.zero})" if spec.zero else ""
             return f"must be {_range_text(spec)}{zero}, got {value}"
+    if isinstance(value, float) and not math.isfinite(value):  # inf passes an open range
+        return f"must be a finite number, got {value}"
     return spec.rule(value) if spec.rule is not None else None
 
 
@@ -1014,16 +1017,21 @@ def _coerce(entry: FlatSetting, value: Any, source: str) -> Any:
             return tuple(value)
         raise SettingsError(f"{name} from {source} must be a list of strings, got {value!r}")
     try:
+        if kind in ("int", "float") and (
+            isinstance(value, bool) or (isinstance(value, str) and not value.strip().isascii())
+        ):
+            raise ValueError  # true is not 1 second; "٣٣" is not 33
         if kind == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(value)
+            return int(value)  # a string over 4300 digits is a ValueError too
         if kind == "float":
-            if isinstance(value, bool):
+            number = float(value)
+            if not math.isfinite(number):
                 raise ValueError
-            return float(value)
+            return number
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise SettingsError(
             f"{name} from {source} must be {kind.replace('|', 'or')}, got {value!r}"
         ) from None
@@ -1045,7 +1053,8 @@ def read_config_file(path: str, specs: Mapping[str, FlatSetting] = FIELDS) -> di
             data: Any = tomllib.loads(text.decode("utf-8"))
         else:
             data = yaml.safe_load(text) or {}
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: an integer literal over Python's 4300-digit limit
         raise SettingsError(
             f"config file {path} is not valid {p.suffix.lstrip('.') or 'YAML'}: {exc}"
         ) from None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,6 +117,16 @@ def route_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(ModelRoute) if f.name in ROUTE_FIELDS]
 
 
+def _integer(value: Any) -> bool:
+    """An int that is not a bool (YAML's ``true`` is not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    """A finite int or float that is not a bool (``.inf`` and ``true`` are not seconds)."""
+    return _integer(value) or (isinstance(value, float) and math.isfinite(value))
+
+
 def parse_models(raw: Mapping[str, Any]) -> tuple[ModelRoute, ...]:
     """Validate a ``models:`` mapping into routes (file order kept); entry keys may use dashes
     or underscores (``upstream-api`` is ``upstream_api``), like the file's top-level keys.
@@ -154,13 +165,13 @@ def parse_models(raw: Mapping[str, Any]) -> tuple[ModelRoute, ...]:
         if route.upstream_compact == "upstream" and route.upstream_api == "chat":
             raise ModelConfigError(f"models.{name}: {COMPACT_NEEDS_RESPONSES}")
         tokens = route.compact_max_output_tokens
-        if tokens is not None and not (isinstance(tokens, int) and 1 <= tokens <= 131_072):
+        if tokens is not None and not (_integer(tokens) and 1 <= tokens <= 131_072):
             raise ModelConfigError(
                 f"models.{name}.compact_max_output_tokens must be in 1..=131072, got {tokens!r}"
             )
         for field in ("upstream_connect_timeout", "upstream_read_timeout", "upstream_deadline"):
             value = getattr(route, field)
-            if value is not None and not (isinstance(value, int | float) and value > 0):
+            if value is not None and not (_number(value) and value > 0):
                 raise ModelConfigError(
                     f"models.{name}.{field} must be a positive number of seconds, got {value!r}"
                 )
