@@ -71,9 +71,20 @@ def _reject_constant(name: str) -> Any:
     raise UpstreamInvalid(f"upstream JSON holds {name}, which JSON cannot carry")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:  # inf - inf is nan; a finite value minus itself is 0.0
+        raise UpstreamInvalid(
+            f"upstream JSON holds the number {text[:40]}, which is out of range (it overflows to infinity)"
+        )
+    return value
+
+
 def loads_upstream(data: bytes) -> Any:
-    """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` raise `UpstreamInvalid`."""
-    return json.loads(data, parse_constant=_reject_constant)
+    """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` and numbers out of the float range
+    (``-1e400``, which ``float`` turns into ``-inf``) raise `UpstreamInvalid` (DESIGN.md §5: what
+    cannot be re-encoded as JSON is 502 ``upstream_invalid_response``)."""
+    return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 class _RepeatedKey(Exception):
@@ -96,7 +107,9 @@ def duplicate_key(data: bytes, obj: Any) -> bool:
     if no_duplicate_keys(data, obj):
         return False
     try:
-        json.loads(data, object_pairs_hook=_pairs_once, parse_constant=_reject_constant)
+        json.loads(
+            data, object_pairs_hook=_pairs_once, parse_constant=_reject_constant, parse_float=_finite_float
+        )
     except _RepeatedKey:
         return True
     return False

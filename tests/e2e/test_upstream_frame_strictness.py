@@ -1,0 +1,78 @@
+"""Upstream frames the gateway cannot re-encode or that break the stream's rules (attack round 3:
+D1 numbers out of the float range, the note on an ``event:`` line that disagrees with its data).
+
+DESIGN.md §5: such an answer is 502 ``upstream_invalid_response`` before commit and one ``error``
++ one schema-complete ``response.failed`` after, stored ``failed`` with the output the client saw.
+Real uvicorn gateway, scripted upstream (`tests.mock_upstream`), store on and off.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers import PRE, gateway, message_item, response_obj, sse_events, text_delta
+from tests.mock_upstream import E, MockUpstream, Reply
+from tests.spec_schema import assert_stream
+
+
+def _added(seq: int) -> bytes:
+    item = {**message_item(""), "status": "in_progress", "content": []}
+    return E(
+        "response.output_item.added",
+        {"type": "response.output_item.added", "sequence_number": seq, "output_index": 0, "item": item},
+    )
+
+
+def _with_logprob(seq: int, kind: str) -> bytes:
+    """A frame whose item holds ``"logprob": -1e400`` (JSON that ``float`` turns into ``-inf``)."""
+    item = message_item("y")
+    item["content"][0]["logprobs"] = [{"token": "y", "logprob": "INFX", "bytes": [], "top_logprobs": []}]
+    if kind == "response.output_item.done":
+        data: dict[str, Any] = {"type": kind, "sequence_number": seq, "output_index": 0, "item": item}
+    else:
+        data = {"type": kind, "sequence_number": seq, "response": response_obj([item])}
+    return E(kind, data).replace(b'"INFX"', b"-1e400")
+
+
+def _post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + "/v1/responses", json=body, timeout=30)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_an_item_with_a_number_out_of_range_ends_the_stream_failed_and_stored(
+    upstream: MockUpstream, store: bool
+) -> None:
+    frames = [*PRE(), _added(2), text_delta(3, "y")]
+    frames += [_with_logprob(4, "response.output_item.done"), _with_logprob(5, "response.completed")]
+    upstream.push(Reply.sse(frames))
+    with gateway(upstream) as (url, _):
+        r = _post(url, {"model": "m", "input": "x", "stream": True, "store": store})
+        events = sse_events(r.content)
+        assert_stream(events)
+        names = [name for name, _ in events]
+        assert names[-2:] == ["error", "response.failed"], names
+        assert events[-2][1]["code"] == "upstream_invalid_response"
+        assert "out of range" in events[-2][1]["message"]
+        assert b"Infinity" not in r.content
+        assert not [name for name, data in events[:-2] if "1e400" in json.dumps(data)], names
+        assert "response.output_text.delta" in names
+        if store:
+            rid = events[0][1]["response"]["id"]
+            got = httpx.get(f"{url}/v1/responses/{rid}", timeout=30)
+            assert got.status_code == 200, got.text
+            assert got.json()["status"] == "failed"
+            assert got.json()["error"]["code"] == "upstream_invalid_response"
+
+
+@pytest.mark.parametrize("number", [b"-1e400", b"1e999", b"1E400"])
+def test_a_buffered_body_with_a_number_out_of_range_is_502(upstream: MockUpstream, number: bytes) -> None:
+    body = json.dumps(response_obj([message_item("ok")])).encode()[:-1] + b',"top_p":' + number + b"}"
+    upstream.push(Reply.json(body))
+    with gateway(upstream) as (url, _):
+        r = _post(url, {"model": "m", "input": "x", "store": False})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_invalid_response"
+    assert "out of range" in r.json()["error"]["message"]
