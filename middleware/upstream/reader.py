@@ -444,6 +444,10 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
         raise UpstreamInvalid(f"upstream SSE data repeats a key within one object: {data[:80]!r}")
     raw_kind = obj.get("type")
     named = isinstance(raw_kind, str)
+    if named and event.event not in ("message", raw_kind):  # "message": no `event:` line
+        raise UpstreamInvalid(
+            f"upstream SSE frame names event {event.event[:80]!r} but its data is of type {raw_kind[:80]!r}"
+        )
     kind: str = raw_kind if isinstance(raw_kind, str) else event.event
     if not EVENT_TYPE.fullmatch(kind):
         raise UpstreamInvalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")

@@ -76,3 +76,20 @@ def test_a_buffered_body_with_a_number_out_of_range_is_502(upstream: MockUpstrea
         r = _post(url, {"model": "m", "input": "x", "store": False})
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_invalid_response"
     assert "out of range" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_a_frame_whose_event_line_and_data_type_disagree_is_refused(
+    upstream: MockUpstream, store: bool
+) -> None:
+    done = {"type": "response.completed", "sequence_number": 3, "response": response_obj([message_item("y")])}
+    liar = b"event: response.output_text.delta\ndata: " + json.dumps(done).encode() + b"\n\n"
+    upstream.push(Reply.sse([*PRE(), text_delta(2, "y"), liar]))
+    with gateway(upstream) as (url, _):
+        r = _post(url, {"model": "m", "input": "x", "stream": True, "store": store})
+    events = sse_events(r.content)
+    assert_stream(events)
+    names = [name for name, _ in events]
+    assert names[-2:] == ["error", "response.failed"] and "response.completed" not in names, names
+    assert events[-2][1]["code"] == "upstream_invalid_response"
+    assert "response.output_text.delta" in events[-2][1]["message"]
