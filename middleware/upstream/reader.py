@@ -37,6 +37,7 @@ from middleware.upstream.fastpath import (
     frames_end,
     no_duplicate_keys,
     regular_prefix,
+    stream_field_error,
 )
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
@@ -444,13 +445,16 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
         raise UpstreamInvalid(f"upstream SSE data repeats a key within one object: {data[:80]!r}")
     raw_kind = obj.get("type")
     named = isinstance(raw_kind, str)
-    if named and event.event not in ("message", raw_kind):  # "message": no `event:` line
+    if isinstance(raw_kind, str) and event.event not in ("message", raw_kind):  # "message": no `event:` line
         raise UpstreamInvalid(
             f"upstream SSE frame names event {event.event[:80]!r} but its data is of type {raw_kind[:80]!r}"
         )
     kind: str = raw_kind if isinstance(raw_kind, str) else event.event
     if not EVENT_TYPE.fullmatch(kind):
         raise UpstreamInvalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
+    wrong = stream_field_error(obj)
+    if wrong is not None:
+        raise UpstreamInvalid(f"upstream {kind}: {wrong}")
     delta = obj.get("delta")
     if isinstance(delta, str) and kind.endswith(".delta"):  # the hot path: one string to check
         if _lone_surrogate(delta):

@@ -93,3 +93,57 @@ def test_a_frame_whose_event_line_and_data_type_disagree_is_refused(
     assert names[-2:] == ["error", "response.failed"] and "response.completed" not in names, names
     assert events[-2][1]["code"] == "upstream_invalid_response"
     assert "response.output_text.delta" in events[-2][1]["message"]
+
+
+def _delta_with(field: str, value: Any, seq: int) -> bytes:
+    data = {
+        "type": "response.output_text.delta",
+        "sequence_number": seq,
+        "item_id": "msg_1",
+        "output_index": 0,
+        "content_index": 0,
+        "delta": "y",
+    }
+    return E("response.output_text.delta", {**data, field: value})
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("output_index", True),
+        ("output_index", "0"),
+        ("output_index", -1),
+        ("content_index", 0.0),
+        ("item_id", 1),
+        ("delta", ["y"]),
+        ("delta", {"text": "y"}),
+    ],
+)
+@pytest.mark.parametrize("run", [1, 12])  # one frame (frame by frame) or a long run (list-wise)
+def test_a_delta_whose_read_fields_have_the_wrong_type_is_refused(
+    upstream: MockUpstream, store: bool, field: str, value: Any, run: int
+) -> None:
+    frames = [*PRE(), _added(2), *[text_delta(3 + i, "x") for i in range(run)]]
+    frames += [_delta_with(field, value, 3 + run), text_delta(4 + run, "z")]
+    frames.append(
+        E(
+            "response.completed",
+            {
+                "type": "response.completed",
+                "sequence_number": 5 + run,
+                "response": response_obj([message_item("x" * run + "yz")]),
+            },
+        )
+    )
+    upstream.push(Reply.sse([b"".join(frames)]))
+    with gateway(upstream) as (url, _):
+        r = _post(url, {"model": "m", "input": "x", "stream": True, "store": store})
+    events = sse_events(r.content)
+    assert_stream(events)
+    names = [name for name, _ in events]
+    assert names[-2:] == ["error", "response.failed"], names
+    assert events[-2][1]["code"] == "upstream_invalid_response"
+    assert field in events[-2][1]["message"]
+    deltas = [data["delta"] for name, data in events if name == "response.output_text.delta"]
+    assert deltas == ["x"] * run, deltas
