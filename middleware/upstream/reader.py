@@ -526,10 +526,44 @@ def check_response(response: dict[str, Any]) -> None:
         raise UpstreamInvalid(f"upstream response.incomplete_details is {_type_name(details)}, not an object")
 
 
+class StreamOrder:
+    """The event-order check every streamed round goes through (`read_round`; Open Responses: one
+    ``response.created`` opens a stream and its terminal event is for the same response; DESIGN.md
+    §5 "upstream protocol violation": 502 before commit, the error frames after). Refuses a second
+    ``response.created``, a terminal event whose ``response.id`` differs from the one the
+    ``response.created`` opened and, with `created_first`, a first event of another type (the
+    pass-through; the loop's stitcher opens the client's stream itself). Raises `UpstreamInvalid`."""
+
+    def __init__(self, *, created_first: bool = False) -> None:
+        self.created_first = created_first
+        self.opened = False  # response.created was seen
+        self.created_id: Any = None  # its response id
+
+    def check(self, kind: str, response: Any) -> None:
+        """Check the next event (`kind`, its ``response`` field or None); raises `UpstreamInvalid`."""
+        if kind == "response.created":
+            if self.opened:
+                raise UpstreamInvalid("upstream sent response.created twice in one stream")
+            self.opened = True
+            self.created_id = response.get("id") if isinstance(response, dict) else None
+        elif not self.opened and self.created_first:
+            raise UpstreamInvalid(
+                f"upstream stream did not start with response.created (it began with {kind})"
+            )
+        elif kind in TERMINAL_EVENTS and isinstance(response, dict):
+            said = response.get("id")
+            if said is not None and self.created_id is not None and said != self.created_id:
+                raise UpstreamInvalid(
+                    f"upstream {kind} is for response {str(said)[:80]!r}, not {str(self.created_id)[:80]!r} "
+                    "that its response.created opened"
+                )
+
+
 async def read_round(
     response: UpstreamResponse,
     ledger: Ledger,
     *,
+    created_first: bool = False,
     client: ClientStream | None = None,
     acc: StreamAccumulator | None = None,
     on_event: Callable[[UpstreamEvent], Awaitable[None]] | None = None,
@@ -543,8 +577,11 @@ async def read_round(
     delta text kept by `acc` (`read_stream_events`' fast path, `FastRun`).
 
     Raises `UpstreamStreamError` for an in-band ``error`` event, `UpstreamIncomplete` when the
-    stream ends without a terminal event, and whatever the reader raises.
+    stream ends without a terminal event, `UpstreamInvalid` for events out of order
+    (`StreamOrder`; `created_first`: the first event must be ``response.created``), and whatever
+    the reader raises.
     """
+    order = StreamOrder(created_first=created_first)
     async with contextlib.aclosing(
         read_stream_events(
             response, ledger, client=client, fast=None if on_run is None else FastRun(on_run, accept, acc)
@@ -553,6 +590,7 @@ async def read_round(
         async for event in events:
             if event.type == "error":
                 raise stream_error_failure(event.obj)
+            order.check(event.type, event.obj.get("response"))
             if acc is not None:
                 acc.apply(event)
             if on_event is not None:

@@ -147,3 +147,41 @@ def test_a_delta_whose_read_fields_have_the_wrong_type_is_refused(
     assert field in events[-2][1]["message"]
     deltas = [data["delta"] for name, data in events if name == "response.output_text.delta"]
     assert deltas == ["x"] * run, deltas
+
+
+def _created(seq: int, response_id: str) -> bytes:
+    created = {"id": response_id, "object": "response", "status": "in_progress", "output": []}
+    return E("response.created", {"type": "response.created", "sequence_number": seq, "response": created})
+
+
+def _order_case(case: str) -> list[bytes]:
+    """Streams out of order (attack round 3 D6): the frames after ``PRE`` and one delta."""
+    if case == "created_twice":
+        return [_created(3, "resp_up"), text_delta(4, "z"), _done_for("resp_up", 5)]
+    if case == "created_twice_other":
+        return [_created(3, "resp_up_2"), text_delta(4, "z"), _done_for("resp_up", 5)]
+    return [text_delta(3, "z"), _done_for("resp_OTHER", 4)]  # terminal_other
+
+
+def _done_for(response_id: str, seq: int) -> bytes:
+    response = {**response_obj([message_item("yz")]), "id": response_id}
+    return E(
+        "response.completed", {"type": "response.completed", "sequence_number": seq, "response": response}
+    )
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("case", ["created_twice", "created_twice_other", "terminal_other"])
+def test_a_stream_out_of_order_is_refused_with_store_on_and_off(
+    upstream: MockUpstream, store: bool, case: str
+) -> None:
+    upstream.push(Reply.sse([b"".join([*PRE(), text_delta(2, "y"), *_order_case(case)])]))
+    with gateway(upstream) as (url, _):
+        r = _post(url, {"model": "m", "input": "x", "stream": True, "store": store})
+    events = sse_events(r.content)
+    assert_stream(events)
+    names = [name for name, _ in events]
+    assert names[-2:] == ["error", "response.failed"] and "response.completed" not in names, names
+    assert events[-2][1]["code"] == "upstream_invalid_response"
+    wanted = "twice" if case.startswith("created_twice") else "resp_OTHER"
+    assert wanted in events[-2][1]["message"], events[-2][1]["message"]
