@@ -10,8 +10,11 @@ rounds (the accumulator then admits their delta text, `StreamAccumulator.stage`)
 is done, finished items, the terminal response — each charged with ``admit_accumulated`` and a
 replaced snapshot released only after its replacement was admitted (DESIGN.md §4).
 `read_buffered_body` reads a JSON body under ``admit_output`` with the ``max_retained_bytes // 8``
-clamp (DESIGN.md §3). Upstream JSON holding ``NaN`` / ``Infinity`` or lone surrogates (what
-cannot be re-encoded as JSON or UTF-8), and SSE data repeating a key, are refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
+clamp (DESIGN.md §3). Upstream JSON holding ``NaN`` / ``Infinity``, numbers out of the float
+range (``-1e400``) or lone surrogates (what cannot be re-encoded as JSON or UTF-8), SSE data
+repeating a key, a frame whose ``event:`` line names another type than its data, read fields of
+the wrong type (`middleware.upstream.fastpath.stream_field_error`) and events out of order
+(`StreamOrder`) are refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
 """
 
 from __future__ import annotations
