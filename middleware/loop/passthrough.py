@@ -19,10 +19,9 @@ from middleware.loop.items import response_summary, synthesized_events
 from middleware.ops import metrics
 from middleware.state import GatewayState
 from middleware.upstream.chat.client import bind_ledger
-from middleware.upstream.errors import UpstreamInvalid, read_limited, status_failure
+from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
-    TERMINAL_EVENTS,
     StreamAccumulator,
     UpstreamEvent,
     dumps_checked,
@@ -53,7 +52,6 @@ class Passthrough:
         self.client = ctx.client
         self._created: dict[str, Any] | None = None  # the upstream's response.created object
         self._opened = False  # response.created was seen
-        self._created_id: Any = None  # its response id
 
     async def run(self) -> None:
         """Make the one inference call and answer it; raises failures for the guard."""
@@ -132,6 +130,7 @@ class Passthrough:
             response,
             self.ctx.ledger,
             client=self.client,
+            created_first=True,
             on_event=self._forward,
             on_run=self.client.forward_run,
             accept=self._fast_count,
@@ -140,38 +139,16 @@ class Passthrough:
 
     def _fast_count(self, heads: list[dict[str, Any]]) -> int:
         """The fast path takes regular frames only once ``response.created`` was forwarded (a
-        stream that starts otherwise is refused at its first event, `_check_order`)."""
+        stream that starts otherwise is refused at its first event, `StreamOrder`)."""
         return len(heads) if self._opened else 0
 
-    def _check_order(self, kind: str, response: Any) -> None:
-        """Refuse an upstream stream out of order (Open Responses: one ``response.created``
-        first; DESIGN.md §5 "upstream protocol violation": 502 before commit, the error frames
-        after): a first event of another type, a second ``response.created``, a terminal event
-        for another response id. Raises `UpstreamInvalid`."""
-        if kind == "response.created":
-            if self._opened:
-                raise UpstreamInvalid("upstream sent response.created twice in one stream")
-            self._opened = True
-            self._created_id = response.get("id") if isinstance(response, dict) else None
-        elif not self._opened:
-            raise UpstreamInvalid(
-                f"upstream stream did not start with response.created (it began with {kind})"
-            )
-        elif kind in TERMINAL_EVENTS and isinstance(response, dict):
-            said = response.get("id")
-            if said is not None and self._created_id is not None and said != self._created_id:
-                raise UpstreamInvalid(
-                    f"upstream {kind} is for response {str(said)[:80]!r}, not {str(self._created_id)[:80]!r} "
-                    "that its response.created opened"
-                )
-
     async def _forward(self, event: UpstreamEvent) -> None:
-        """Forward one upstream event (in order: `_check_order`); only the lifecycle and terminal
+        """Forward one upstream event (checked in order by `read_round`); only the lifecycle and terminal
         events' response objects are normalised (re-encoded when something was filled), the rest
         go out as received."""
         changed = event.changed
         response = event.obj.get("response")
-        self._check_order(event.type, response)
+        self._opened |= event.type == "response.created"  # in order: `read_round`'s `StreamOrder`
         if event.type in NORMALISED_EVENTS and isinstance(response, dict):
             changed |= normalise_response(response, self.ctx.request, created_at=self.ctx.created_at)
             if event.type == "response.created":

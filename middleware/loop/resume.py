@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -93,14 +94,18 @@ class _Streamed(Response):
         await self.run(ClientStream(send, keepalive_interval=self.keepalive), receive)
 
 
+#: ``starting_after``'s accepted text: ASCII digits, at most 19 (2**63-1 has 19)
+_DIGITS: Final = re.compile(r"[0-9]{1,19}")
+
+
 def _starting_after(request: Request) -> int:
+    """``starting_after`` as an int (-1 when absent). Only ASCII digits (``int`` also takes
+    ``"٣"``, ``"３"``, ``"3_0"``, ``"+3"`` and ``" 3"``, which no sequence_number is written as);
+    anything else, or a value outside 0..2**63-1, raises `InvalidRequest` (400 ``invalid_value``)."""
     raw = request.query_params.get("starting_after")
     if raw is None:
         return -1
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
+    value = int(raw) if _DIGITS.fullmatch(raw) else -1  # 19 digits at most: no int() of a huge text
     if not 0 <= value < 2**63:  # a store's INTEGER is 64-bit
         raise InvalidRequest(
             f"starting_after must be an integer in 0..2**63-1 (a sequence_number), got {raw[:40]!r}",

@@ -253,7 +253,10 @@ def store_routes(
     get_stored = reading(get_response)
 
     async def get_or_stream_response(request: Request, store: Store, owner: str) -> Response:
-        if request.query_params.get("stream", "false").lower() != "true":
+        stream = request.query_params.get("stream", "false").lower()
+        if stream not in ("true", "false"):  # `stream=yes` must not be a silent non-streaming read
+            _bad(f"stream must be true or false, got {stream[:40]!r}", "stream")
+        if stream == "false":
             return await get_stored(request, store, owner)
         if background is None:
             _bad("Streaming a stored response is not supported; retrieve it without 'stream'.", "stream")

@@ -77,6 +77,44 @@ _NONE: Final[Run] = (0, 0, 0, [])
 NOT_REGULAR: Final[Run] = _NONE
 
 
+#: The stream fields the gateway reads (maps, stitches, accumulates) and the one type each must
+#: have when present (Open Responses openapi.json: integer / string in every event that has it).
+STREAM_FIELD_TYPES: Final = (
+    ("output_index", int),
+    ("content_index", int),
+    ("summary_index", int),
+    ("item_id", str),
+    ("delta", str),
+)
+
+
+def stream_field_error(head: dict[str, Any]) -> str | None:
+    """What is wrong with one decoded event's read fields (`STREAM_FIELD_TYPES`), or None.
+    Exact types: ``true`` is not an index (``bool`` subclasses ``int``), ``"0"`` is not one either.
+    DESIGN.md §5 makes such a frame 502 ``upstream_invalid_response``; the fast path leaves it to
+    the exact path (`middleware.upstream.reader`), which raises."""
+    for field, kind in STREAM_FIELD_TYPES:
+        value = head.get(field)
+        if value is not None and type(value) is not kind:
+            return f"{field} is {type(value).__name__} {str(value)[:40]!r}, not {'an integer' if kind is int else 'a string'}"
+        if type(value) is int and value < 0:
+            return f"{field} is {value}, not an integer >= 0"
+    return None
+
+
+def _fields_typed(decoded: list[dict[str, Any]]) -> bool:
+    """Whether every head's read fields have their type (`stream_field_error`), list-wise."""
+    for field, kind in STREAM_FIELD_TYPES:
+        if not set(map(type, map(dict.get, decoded, repeat(field)))) <= {kind, type(None)}:
+            return False
+        if (
+            kind is int
+            and min((v for v in map(dict.get, decoded, repeat(field)) if v is not None), default=0) < 0
+        ):
+            return False
+    return True
+
+
 def key_total(value: Any) -> int:
     """The number of keys in every object of a decoded JSON value (distinct keys: a decoder keeps
     the last of a repeated one). Walks the containers; raises nothing."""
@@ -184,7 +222,7 @@ def _vectorised(
     except (msgspec.DecodeError, RecursionError):
         return None
     count = len(decoded)
-    if set(map(type, decoded)) != {dict}:
+    if set(map(type, decoded)) != {dict} or not _fields_typed(decoded):
         return None
     kinds = [names[name] for name in heads]
     types = list(map(dict.get, decoded, repeat("type")))
@@ -250,7 +288,9 @@ def _frame_head(data: bytes) -> dict[str, Any] | None:
         head = _DECODER.decode(data)
     except (msgspec.DecodeError, RecursionError):
         return None
-    return head if type(head) is dict and no_duplicate_keys(data, head) else None
+    if type(head) is not dict or stream_field_error(head) is not None:
+        return None
+    return head if no_duplicate_keys(data, head) else None
 
 
 def _frame_by_frame(

@@ -10,8 +10,11 @@ rounds (the accumulator then admits their delta text, `StreamAccumulator.stage`)
 is done, finished items, the terminal response — each charged with ``admit_accumulated`` and a
 replaced snapshot released only after its replacement was admitted (DESIGN.md §4).
 `read_buffered_body` reads a JSON body under ``admit_output`` with the ``max_retained_bytes // 8``
-clamp (DESIGN.md §3). Upstream JSON holding ``NaN`` / ``Infinity`` or lone surrogates (what
-cannot be re-encoded as JSON or UTF-8), and SSE data repeating a key, are refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
+clamp (DESIGN.md §3). Upstream JSON holding ``NaN`` / ``Infinity``, numbers out of the float
+range (``-1e400``) or lone surrogates (what cannot be re-encoded as JSON or UTF-8), SSE data
+repeating a key, a frame whose ``event:`` line names another type than its data, read fields of
+the wrong type (`middleware.upstream.fastpath.stream_field_error`) and events out of order
+(`StreamOrder`) are refused. Failures raise `middleware.upstream.errors` failures or `BudgetExceeded`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from middleware.upstream.fastpath import (
     frames_end,
     no_duplicate_keys,
     regular_prefix,
+    stream_field_error,
 )
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.sse import SSEDecodeError, SSEEvent, SSEParser
@@ -72,9 +76,20 @@ def _reject_constant(name: str) -> Any:
     raise UpstreamInvalid(f"upstream JSON holds {name}, which JSON cannot carry")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:  # inf - inf is nan; a finite value minus itself is 0.0
+        raise UpstreamInvalid(
+            f"upstream JSON holds the number {text[:40]}, which is out of range (it overflows to infinity)"
+        )
+    return value
+
+
 def loads_upstream(data: bytes) -> Any:
-    """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` raise `UpstreamInvalid`."""
-    return json.loads(data, parse_constant=_reject_constant)
+    """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` and numbers out of the float range
+    (``-1e400``, which ``float`` turns into ``-inf``) raise `UpstreamInvalid` (DESIGN.md §5: what
+    cannot be re-encoded as JSON is 502 ``upstream_invalid_response``)."""
+    return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 class _RepeatedKey(Exception):
@@ -97,7 +112,9 @@ def duplicate_key(data: bytes, obj: Any) -> bool:
     if no_duplicate_keys(data, obj):
         return False
     try:
-        json.loads(data, object_pairs_hook=_pairs_once, parse_constant=_reject_constant)
+        json.loads(
+            data, object_pairs_hook=_pairs_once, parse_constant=_reject_constant, parse_float=_finite_float
+        )
     except _RepeatedKey:
         return True
     return False
@@ -472,9 +489,16 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
         raise UpstreamInvalid(f"upstream SSE data repeats a key within one object: {data[:80]!r}")
     raw_kind = obj.get("type")
     named = isinstance(raw_kind, str)
+    if isinstance(raw_kind, str) and event.event not in ("message", raw_kind):  # "message": no `event:` line
+        raise UpstreamInvalid(
+            f"upstream SSE frame names event {event.event[:80]!r} but its data is of type {raw_kind[:80]!r}"
+        )
     kind: str = raw_kind if isinstance(raw_kind, str) else event.event
     if not EVENT_TYPE.fullmatch(kind):
         raise UpstreamInvalid(f"upstream SSE event type is not a plain name: {kind[:80]!r}")
+    wrong = stream_field_error(obj)
+    if wrong is not None:
+        raise UpstreamInvalid(f"upstream {kind}: {wrong}")
     delta = obj.get("delta")
     if isinstance(delta, str) and kind.endswith(".delta"):  # the hot path: one string to check
         if _lone_surrogate(delta):
@@ -546,10 +570,44 @@ def check_response(response: dict[str, Any]) -> None:
         raise UpstreamInvalid(f"upstream response.incomplete_details is {_type_name(details)}, not an object")
 
 
+class StreamOrder:
+    """The event-order check every streamed round goes through (`read_round`; Open Responses: one
+    ``response.created`` opens a stream and its terminal event is for the same response; DESIGN.md
+    §5 "upstream protocol violation": 502 before commit, the error frames after). Refuses a second
+    ``response.created``, a terminal event whose ``response.id`` differs from the one the
+    ``response.created`` opened and, with `created_first`, a first event of another type (the
+    pass-through; the loop's stitcher opens the client's stream itself). Raises `UpstreamInvalid`."""
+
+    def __init__(self, *, created_first: bool = False) -> None:
+        self.created_first = created_first
+        self.opened = False  # response.created was seen
+        self.created_id: Any = None  # its response id
+
+    def check(self, kind: str, response: Any) -> None:
+        """Check the next event (`kind`, its ``response`` field or None); raises `UpstreamInvalid`."""
+        if kind == "response.created":
+            if self.opened:
+                raise UpstreamInvalid("upstream sent response.created twice in one stream")
+            self.opened = True
+            self.created_id = response.get("id") if isinstance(response, dict) else None
+        elif not self.opened and self.created_first:
+            raise UpstreamInvalid(
+                f"upstream stream did not start with response.created (it began with {kind})"
+            )
+        elif kind in TERMINAL_EVENTS and isinstance(response, dict):
+            said = response.get("id")
+            if said is not None and self.created_id is not None and said != self.created_id:
+                raise UpstreamInvalid(
+                    f"upstream {kind} is for response {str(said)[:80]!r}, not {str(self.created_id)[:80]!r} "
+                    "that its response.created opened"
+                )
+
+
 async def read_round(
     response: UpstreamResponse,
     ledger: Ledger,
     *,
+    created_first: bool = False,
     client: ClientStream | None = None,
     acc: StreamAccumulator | None = None,
     on_event: Callable[[UpstreamEvent], Awaitable[None]] | None = None,
@@ -563,8 +621,11 @@ async def read_round(
     delta text kept by `acc` (`read_stream_events`' fast path, `FastRun`).
 
     Raises `UpstreamStreamError` for an in-band ``error`` event, `UpstreamIncomplete` when the
-    stream ends without a terminal event, and whatever the reader raises.
+    stream ends without a terminal event, `UpstreamInvalid` for events out of order
+    (`StreamOrder`; `created_first`: the first event must be ``response.created``), and whatever
+    the reader raises.
     """
+    order = StreamOrder(created_first=created_first)
     async with contextlib.aclosing(
         read_stream_events(
             response, ledger, client=client, fast=None if on_run is None else FastRun(on_run, accept, acc)
@@ -573,6 +634,7 @@ async def read_round(
         async for event in events:
             if event.type == "error":
                 raise stream_error_failure(event.obj)
+            order.check(event.type, event.obj.get("response"))
             if acc is not None:
                 acc.apply(event)
             if on_event is not None:

@@ -109,16 +109,16 @@ def test_approvals_respect_max_tool_calls_and_cannot_be_answered_twice(
     [
         (
             "response.failed",
-            {"id": "u", "output": [FC("call_w", "write_file", '{"path":"a","content":"x"}')]},
+            {"id": "resp_up", "output": [FC("call_w", "write_file", '{"path":"a","content":"x"}')]},
         ),
         (
             "response.incomplete",
-            {"id": "u", "output": [FC("call_w", "write_file", '{"path":"a","content":"x"}')]},
+            {"id": "resp_up", "output": [FC("call_w", "write_file", '{"path":"a","content":"x"}')]},
         ),
         (
             "response.failed",
             {
-                "id": "u",
+                "id": "resp_up",  # the id PRE's response.created opened
                 "status": "completed",
                 "output": [FC("call_w", "write_file", '{"path":"a","content":"x"}')],
             },

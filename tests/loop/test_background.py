@@ -234,6 +234,32 @@ def test_starting_after_at_or_past_the_last_event_sends_nothing_more(upstream: M
         assert [name for name, _ in got] == []
 
 
+def test_resume_query_values_other_than_ascii_digits_and_true_false_are_400(upstream: MockUpstream) -> None:
+    upstream.push(Reply.sse([*PRE(), text_delta(2, "x"), DONE(3, [message_item("x")])]))
+    with gateway(upstream) as (url, _):
+        client = sdk(url)
+        events = list(client.responses.create(model="m", input="hi", background=True, stream=True))
+        response_id, last = events[0].response.id, events[-1].sequence_number
+        poll(client, response_id)
+
+        def get(params: dict[str, str]) -> httpx.Response:
+            return httpx.get(f"{url}/v1/responses/{response_id}", params=params, timeout=10, headers=AUTH)
+
+        # int() takes all of these (Arabic-Indic and full-width digits, "_", a sign, spaces) as 3 or 30
+        for after in ("\u0663", "\uff13", "3_0", "+3", " 3", "3 ", "-0", "0x3", ""):
+            raw = get({"stream": "true", "starting_after": after})
+            assert raw.status_code == 400, (after, raw.text)
+            assert raw.json()["error"]["param"] == "starting_after", (after, raw.text)
+        ok = get({"stream": "true", "starting_after": str(last - 1)})
+        assert ok.status_code == 200 and [d["sequence_number"] for _, d in sse_events(ok.content)] == [last]
+        for stream in ("yes", "1", "on", "", "truee"):
+            raw = get({"stream": stream})
+            assert raw.status_code == 400, (stream, raw.text)
+            assert raw.json()["error"]["param"] == "stream", (stream, raw.text)
+        assert get({"stream": "false"}).json()["status"] == "completed"
+        assert get({"stream": "True"}).status_code == 200
+
+
 def test_a_streamed_background_create_failing_before_its_first_event_streams_sse_frames(
     upstream: MockUpstream,
 ) -> None:
