@@ -159,6 +159,17 @@ _ALSO_REGULAR: list[bytes] = [
 ]
 
 
+def split_reads(draw: st.DrawFn, body: bytes) -> list[bytes]:
+    """`body` cut at up to six drawn offsets into the upstream reads a stream arrives in."""
+    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
+    reads, last = [], 0
+    for cut in [*cuts, len(body)]:
+        if cut > last:
+            reads.append(body[last:cut])
+            last = cut
+    return reads
+
+
 @st.composite
 def streams(draw: st.DrawFn) -> list[bytes]:
     """A stream of regular deltas (numbered from 0, as the client will number them) with
@@ -175,14 +186,7 @@ def streams(draw: st.DrawFn) -> list[bytes]:
         parts.append(_TERMINAL)
         if draw(st.booleans()):
             parts.append(_delta(seq + 1))  # after the terminal event, in the same read or not
-    body = b"".join(parts)
-    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
-    reads, last = [], 0
-    for cut in [*cuts, len(body)]:
-        if cut > last:
-            reads.append(body[last:cut])
-            last = cut
-    return reads
+    return split_reads(draw, b"".join(parts))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

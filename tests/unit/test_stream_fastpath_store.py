@@ -32,6 +32,7 @@ from tests.unit.test_stream_fastpath import (
     _frame,
     _numbered,
     _Response,
+    split_reads,
 )
 
 REQUEST = {"model": "m", "input": "x", "stream": True}
@@ -153,14 +154,7 @@ def rounds(draw: st.DrawFn) -> list[bytes]:
         output = [_done_message(text), *([{**CALL, "arguments": args}] if called else [])]
         response = {"id": "resp_up", "object": "response", "status": "completed", "output": output}
         parts.append(_event("response.completed", seq + 1, response=response))
-    body = b"".join(parts)
-    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
-    reads, last = [], 0
-    for cut in [*cuts, len(body)]:
-        if cut > last:
-            reads.append(body[last:cut])
-            last = cut
-    return reads
+    return split_reads(draw, b"".join(parts))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
