@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from openai import OpenAI
 
 from middleware.config import Settings, SettingsError, load_settings
+from tests.servers import wait_healthy
 
 
 def test_defaults() -> None:
@@ -104,16 +103,7 @@ def test_cli_serve_answers_with_the_embedded_dev_model() -> None:
         env=env,
     )
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "loopwarden serve did not answer within 20 s"
-            time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=20, what="loopwarden serve")
         with OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as client:
             response = client.responses.create(model="dev", input="hello")
         assert response.status == "completed"

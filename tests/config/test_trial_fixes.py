@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from middleware import cli
@@ -25,6 +22,7 @@ from middleware.config import (
     load_settings,
     readme_table,
 )
+from tests.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,15 +78,9 @@ def test_dialect_settings_on_a_responses_upstream_are_reported_as_ignored() -> N
     assert ignored_dialect_settings(chat) == ["models.r.reasoning_replay=reasoning"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_up_stderr(*args: str) -> list[str]:
     """The stderr lines of a real ``loopwarden serve`` up to its first healthy answer."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPWARDEN_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "middleware.cli", "serve", "--port", str(port), "--store", "memory", *args],
@@ -99,16 +91,7 @@ def _start_up_stderr(*args: str) -> list[str]:
         env={**env, "PYTHONPATH": str(ROOT)},
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "loopwarden serve did not answer within 30 s"
-            time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=30, what="loopwarden serve")
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
