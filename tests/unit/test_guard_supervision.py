@@ -42,6 +42,22 @@ class Served:
         return error
 
 
+def client_receive(body: bytes, disconnect_after: float | None) -> Receive:
+    """An ASGI ``receive`` of one client: `body` in one ``http.request`` message, then an
+    ``http.disconnect`` `disconnect_after` seconds later (None: never; it waits forever)."""
+    messages: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        if disconnect_after is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(disconnect_after or 0.0)
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
 def serve(
     app: App,
     body: bytes = BODY,
@@ -55,15 +71,7 @@ def serve(
     out = Served()
 
     async def main() -> None:
-        messages: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> Message:
-            if messages:
-                return messages.pop(0)
-            if disconnect_after is None:
-                await asyncio.Event().wait()
-            await asyncio.sleep(disconnect_after or 0.0)
-            return {"type": "http.disconnect"}
+        receive = client_receive(body, disconnect_after)
 
         async def send(message: Message) -> None:
             out.sent.append(message)

@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from budget import Limits
 from middleware.asgi.guard import BudgetMiddleware
+from tests.unit.test_guard_supervision import client_receive
 
 BODY = json.dumps({"model": "m", "input": "x"}).encode()
 SCOPE = {
@@ -34,15 +35,7 @@ async def serve(
     """One POST through the guard around `inner`; the messages sent. The client disconnects
     `disconnect_after` seconds after the body (None: it stays)."""
     sent: list[Message] = []
-    messages: list[Message] = [{"type": "http.request", "body": BODY, "more_body": False}]
-
-    async def receive() -> Message:
-        if messages:
-            return messages.pop(0)
-        if disconnect_after is None:
-            await asyncio.Event().wait()
-        await asyncio.sleep(disconnect_after or 0.0)
-        return {"type": "http.disconnect"}
+    receive = client_receive(BODY, disconnect_after)
 
     async def send(message: Message) -> None:
         sent.append(message)
