@@ -19,8 +19,9 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
+
+from stream_cpu import ScriptedResponse  # bench/ is on sys.path when run as a script
 
 from budget import Ledger
 from middleware.upstream.chat.client import ChatResponse
@@ -107,26 +108,9 @@ def chat_body(deltas: int) -> bytes:
     ).encode()
 
 
-class _Response:
-    def __init__(self, reads: list[bytes], content_type: str) -> None:
-        self._reads = reads
-        self.status_code = 200
-        self.headers = {"content-type": content_type}
-
-    async def _gen(self) -> AsyncIterator[bytes]:
-        for read in self._reads:
-            yield read
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self._gen()
-
-    async def aclose(self) -> None:
-        return None
-
-
 async def _stream(reads: list[bytes], chat: bool) -> int:
     ledger = Ledger(64 << 20)
-    inner = _Response(reads, "text/event-stream")
+    inner = ScriptedResponse(reads, "text/event-stream")
     response = ChatResponse(inner, ChatDialect(), ledger, sse=True) if chat else inner
     acc = StreamAccumulator(ledger)
     count = 0
@@ -142,7 +126,7 @@ async def _stream(reads: list[bytes], chat: bool) -> int:
 
 async def _buffered(body: bytes, chat: bool) -> None:
     ledger = Ledger(64 << 20)
-    inner = _Response([body], "application/json")
+    inner = ScriptedResponse([body], "application/json")
     response = ChatResponse(inner, ChatDialect(), ledger, sse=False) if chat else inner
     await read_response_object(response, ledger)  # type: ignore[arg-type]
 

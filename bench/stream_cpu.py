@@ -63,9 +63,14 @@ def stream_frames(events: int = EVENTS) -> list[bytes]:
     return frames
 
 
-class _Response:
-    def __init__(self, reads: list[bytes]) -> None:
+class ScriptedResponse:
+    """An upstream response (`middleware.upstream.protocol.UpstreamResponse`) whose body arrives
+    as `reads` (bytes, one per ``chunks()`` item), status 200 with `content_type`."""
+
+    def __init__(self, reads: list[bytes], content_type: str = "text/event-stream") -> None:
         self._reads = reads
+        self.status_code = 200
+        self.headers = {"content-type": content_type}
 
     async def _gen(self) -> AsyncIterator[bytes]:
         for read in self._reads:
@@ -89,7 +94,7 @@ async def _one(reads: list[bytes], fast: bool) -> None:
         await client.forward(event.type, event.data, event.obj, changed=event.changed)
 
     await read_round(
-        _Response(reads),
+        ScriptedResponse(reads),
         ledger,
         client=client,
         on_event=on_event,
