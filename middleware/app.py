@@ -40,7 +40,7 @@ from middleware.asgi.guard import BudgetMiddleware
 from middleware.asgi.models import ModelRouter
 from middleware.asgi.validate import validate_compact_request
 from middleware.asgi.websocket import WebSocketConfig, WebSocketResponses
-from middleware.config import Settings
+from middleware.config import DIALECT_SETTINGS, Settings
 from middleware.dev.embedded import BackgroundServer
 from middleware.errors import Failure, MethodNotAllowed, UnknownRoute
 from middleware.loop.app import ResponsesApp
@@ -286,23 +286,13 @@ async def start_devmodel(settings: Settings) -> tuple[BackgroundServer, str]:
     return devmodel, base_url
 
 
-#: The settings a `ChatDialect` is made of (per model too).
-DIALECT_FIELDS = (
-    "reasoning_dialect",
-    "reasoning_replay",
-    "max_tokens_field",
-    "tool_call_profile",
-    "developer_role",
-)
-
-
 def speaking(settings: Settings, client: UpstreamClient) -> UpstreamClient:
     """`client` as the loop calls it: itself for ``upstream_api: responses``, wrapped in a
     `ChatUpstream` with the settings' `ChatDialect` for ``upstream_api: chat``."""
     if settings.upstream.api != "chat":
         return client
     group = settings.upstream  # settings: group
-    dialect = ChatDialect(**{field: getattr(group, field) for field in DIALECT_FIELDS})
+    dialect = ChatDialect(**{field: getattr(group, field) for field in DIALECT_SETTINGS})
     return ChatUpstream(client, dialect)
 
 
@@ -313,7 +303,7 @@ ROUTE_UPSTREAM_FIELDS = (
     "upstream_read_timeout",
     "upstream_deadline",
     "upstream_api",
-    *DIALECT_FIELDS,
+    *DIALECT_SETTINGS,
 )
 
 
