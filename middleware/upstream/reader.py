@@ -404,15 +404,28 @@ class _KeepaliveTimer:
     """Awaits ``keepalive`` while armed once the client has heard nothing for ``interval`` seconds,
     from a task of its own.
 
-    Armed before each upstream read and disarmed after it: one ``call_at`` handle per read, no
-    task unless the client really goes ``interval`` seconds without a byte. Quiet time counts from
+    Armed before each upstream read and disarmed after it. A flag per read, not a timer handle:
+    one ``call_at`` handle stays scheduled across reads and, when it fires, re-checks the quiet
+    time and schedules itself again if the client heard something since (a token-paced stream
+    arms it per token; a handle per read cost ~2.5 µs of each read's ~18). Quiet time counts from
     ``last_sent()`` (the last client write) or from the last keep-alive, whichever is later — not
     from the last upstream read, so upstream bytes that complete no event do not starve the
-    client. `disarm` waits for a keep-alive in progress (two sends never overlap) and re-raises
-    its failure.
+    client (without ``last_sent``: from the arming). No keep-alive goes out while disarmed.
+    `disarm` waits for a keep-alive in progress (two sends never overlap) and re-raises its
+    failure.
     """
 
-    __slots__ = ("_armed", "_beat_at", "_handle", "_interval", "_keepalive", "_last_sent", "_loop", "_task")
+    __slots__ = (
+        "_armed",
+        "_armed_at",
+        "_beat_at",
+        "_handle",
+        "_interval",
+        "_keepalive",
+        "_last_sent",
+        "_loop",
+        "_task",
+    )
 
     def __init__(
         self,
@@ -425,34 +438,46 @@ class _KeepaliveTimer:
         self._last_sent = last_sent
         self._loop = asyncio.get_running_loop()
         self._beat_at = self._loop.time()  # the last keep-alive (or the start of the stream)
+        self._armed_at = self._beat_at
         self._handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._armed = False
 
     def arm(self) -> None:
         self._armed = True
-        now = self._loop.time()
-        quiet_since = max(self._beat_at, self._last_sent() if self._last_sent is not None else now)
-        self._handle = self._loop.call_at(max(quiet_since + self._interval, now), self._fire)
+        if self._last_sent is None:
+            self._armed_at = self._loop.time()
+        if self._handle is None and self._task is None:
+            self._schedule()
+
+    def _due(self) -> float:
+        """When the client will have heard nothing for ``interval`` seconds (loop time)."""
+        quiet_since = self._last_sent() if self._last_sent is not None else self._armed_at
+        return max(self._beat_at, quiet_since) + self._interval
+
+    def _schedule(self) -> None:
+        self._handle = self._loop.call_at(max(self._due(), self._loop.time()), self._fire)
 
     def _fire(self) -> None:
         self._handle = None
-        if self._armed:
-            self._task = self._loop.create_task(self._beat())
+        if not self._armed:
+            return  # disarmed since: the next `arm` schedules again
+        if self._due() > self._loop.time():
+            self._schedule()  # the client heard something since this handle was scheduled
+            return
+        self._task = self._loop.create_task(self._beat())
 
     async def _beat(self) -> None:
         self._beat_at = self._loop.time()
         await self._keepalive()
         if self._armed:
-            self._handle = None
-            self.arm()
+            self._task = None
+            self._schedule()
 
     def _stop(self) -> asyncio.Task[None] | None:
-        """No further keep-alives; returns the one in progress (if any) for the caller to settle."""
+        """No further keep-alives; returns the one in progress (if any) for the caller to settle.
+        The scheduled handle (if any) stays: it does nothing when it fires disarmed."""
         self._armed = False
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
         task, self._task = self._task, None
         return task
 
@@ -463,6 +488,9 @@ class _KeepaliveTimer:
 
     def cancel(self) -> None:
         task = self._stop()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
         if task is not None:
             if not task.done():
                 task.cancel()

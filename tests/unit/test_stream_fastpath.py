@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,7 +21,14 @@ from hypothesis import strategies as st
 from budget import BudgetExceeded, ChargeModel, Ledger
 from middleware.asgi.client_stream import ClientStream
 from middleware.upstream.errors import UpstreamError
-from middleware.upstream.fastpath import _frame_by_frame, _vectorised, regular_prefix
+from middleware.upstream.fastpath import (
+    STREAM_FIELD_TYPES,
+    _frame_by_frame,
+    _Head,
+    _vectorised,
+    regular_prefix,
+    stream_field_error,
+)
 from middleware.upstream.reader import UpstreamEvent, read_round
 
 
@@ -119,6 +127,18 @@ _IRREGULAR: list[bytes] = [
     _frame("x.delta", b"not json"),
     _frame("bad name!", b'{"type":"bad name!","sequence_number":SEQ}'),
     b"event: x.delta\r\ndata: {}\r\n\r\n",
+    # other line shapes (the list-wise split checks lines in threes: event, data, blank)
+    b'event: x.delta\ndata:{"type":"x.delta","sequence_number":SEQ}\n\n',
+    b'event:x.delta\ndata: {"type":"x.delta","sequence_number":SEQ}\n\n',
+    b'data: {"type":"x.delta","sequence_number":SEQ}\nevent: x.delta\n\n',
+    b'event: x.delta\ndata: {"type":"x.delta",\ndata: "sequence_number":SEQ}\n\n',
+    b'event: x.delta\nevent: x.delta\ndata: {"type":"x.delta","sequence_number":SEQ}\n\n',
+    # the read fields' types (DESIGN.md section 5: a 502 on the exact path)
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"output_index":true}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"output_index":-1}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"content_index":"0"}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"delta":5}'),
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"item_id":["m"]}'),
     b'data: {"type":"x.delta","sequence_number":0}\n\n',
     b'event: x.delta\ndata: {"type":\n',
     b'data: "x.delta","sequence_number":0}\n\n',
@@ -156,6 +176,8 @@ _ALSO_REGULAR: list[bytes] = [
     _frame("x.delta", b'{ "type" : "x.delta" , "sequence_number" : SEQ, "d": "\\n\\u0041" }'),
     # the same key in different objects is no repeat (counted per object)
     _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"o":{"type":"t","p":[{"type":"u"}]}}'),
+    # null read fields count as absent on both paths
+    _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"output_index":null,"item_id":null}'),
 ]
 
 
@@ -179,6 +201,8 @@ def streams(draw: st.DrawFn) -> list[bytes]:
     for _ in range(draw(st.integers(0, 12))):
         if draw(st.integers(0, 3)) == 0:
             parts.append(_numbered(draw(st.sampled_from(_IRREGULAR + _ALSO_REGULAR + _CONSERVATIVE)), seq))
+            if draw(st.integers(0, 7)) == 0:
+                parts.append(b"\n")  # a stray blank line after a frame: dispatches nothing
         else:
             parts.append(_delta(seq, draw(st.sampled_from(["hi", "x" * 300, "é", ""]))))
         seq += 1
@@ -240,6 +264,26 @@ def test_list_wise_and_frame_by_frame_classification_agree(reads: list[bytes], s
     exact = _frame_by_frame(block, start, {})
     assert _vectorised(block, start, {}) in (None, exact)  # None: left to the frame-by-frame walk
     assert regular_prefix(block, start, {}) == exact
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        *_ALSO_REGULAR,
+        *_CONSERVATIVE,
+        _frame("error", {"type": "error", "sequence_number": "SEQ", "code": "boom", "message": "m"}),
+        _frame("x.delta", b'{"type":"x.delta","sequence_number":99}'),
+        _frame("x.delta", b'{"type":"x.delta","sequence_number":SEQ,"d":"a","d":"b"}'),
+    ],
+)
+def test_the_list_wise_classification_settles_a_long_read_itself(frame: bytes) -> None:
+    """With `LIST_WISE_FROM` frames or more, a read of regular frames, a frame of another kind
+    among them, is settled list-wise (not left to the walk) and the same as the walk settles it."""
+    block = b"".join(_delta(i) for i in range(10)) + _numbered(frame, 10) + _delta(11) + _delta(12)
+    found = _vectorised(block, 0, {})
+    assert found is not None
+    assert found == _frame_by_frame(block, 0, {})
+    assert found[1] == (13 if frame in _ALSO_REGULAR else 10)  # all, or the deltas before it
 
 
 @pytest.mark.parametrize("frame", _IRREGULAR)
@@ -339,3 +383,17 @@ def test_a_read_the_consumer_keeps_refusing_is_looked_at_in_linear_bytes(
     # all of the rest of the read, about n / 2 = 1500 reads' worth
     assert scanned <= (reader_module.FAST_WINDOW + 2) * len(body)
     assert scanned >= len(body)  # the first look saw the whole read
+
+
+@pytest.mark.parametrize("field", [field for field, _ in STREAM_FIELD_TYPES])
+@pytest.mark.parametrize("value", [0, 7, -1, True, False, 1.0, "0", "m", "", None, [], {}])
+def test_the_fast_paths_field_types_are_the_exact_paths(field: str, value: Any) -> None:
+    """`_Head` (msgspec, list-wise) refuses a read field exactly when `stream_field_error` (the
+    exact path's check) does."""
+    head = {"type": "x.delta", "sequence_number": 1, field: value}
+    try:
+        msgspec.convert(head, _Head)
+        refused = False
+    except msgspec.ValidationError:
+        refused = True
+    assert refused == (stream_field_error(head) is not None)
