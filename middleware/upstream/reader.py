@@ -39,6 +39,7 @@ from middleware.upstream.fastpath import (
     NOT_REGULAR,
     STITCHED_IRREGULAR_TYPES,
     frames_end,
+    may_hold_surrogate,
     no_duplicate_keys,
     regular_prefix,
     stream_field_error,
@@ -531,7 +532,7 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
     if isinstance(delta, str) and kind.endswith(".delta"):  # the hot path: one string to check
         if _lone_surrogate(delta):
             raise UpstreamInvalid(f"upstream {kind} delta holds a lone surrogate, which UTF-8 cannot carry")
-    else:
+    elif may_hold_surrogate(data):  # else provably none: no walk over every string
         refuse_lone_surrogates(obj, f"SSE event {kind}")
     if not named:  # the data must carry the type its `event:` line names (Open Responses)
         obj["type"] = kind
@@ -892,7 +893,8 @@ async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> Re
         raise UpstreamInvalid("upstream answered with a body that is not JSON") from None
     if not isinstance(parsed, dict):
         raise UpstreamInvalid("upstream answered with JSON that is not a response object")
-    refuse_lone_surrogates(parsed, "response body")
+    if may_hold_surrogate(body):  # else provably none: no walk over every string
+        refuse_lone_surrogates(parsed, "response body")
     if not isinstance(parsed.get("output"), list):  # e.g. an error envelope answered with a 2xx
         error = parsed.get("error")
         said = f": {str(error.get('message'))[:200]}" if isinstance(error, dict) else ""

@@ -26,6 +26,7 @@ from middleware.upstream.fastpath import (
     _frame_by_frame,
     _Head,
     _vectorised,
+    may_hold_surrogate,
     regular_prefix,
     stream_field_error,
 )
@@ -397,3 +398,27 @@ def test_the_fast_paths_field_types_are_the_exact_paths(field: str, value: Any) 
     except msgspec.ValidationError:
         refused = True
     assert refused == (stream_field_error(head) is not None)
+
+
+_SURROGATE_TEXT = st.lists(
+    st.sampled_from(["a", "é", "\n", '"', "\\", "\ud800", "\udfff", "\ud83d\ude00", "😀", "\x00"]),
+    max_size=8,
+).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_SURROGATE_TEXT, st.sampled_from(["ascii", "utf-8", "utf-16", "utf-32"]))
+def test_a_text_said_to_hold_no_surrogate_decodes_to_none(text: str, encoding: str) -> None:
+    """`may_hold_surrogate` False proves the decoded value has no surrogate in any string (key
+    or value): escaped, raw bytes (``json.loads`` reads bytes with ``surrogatepass``), UTF-16/32."""
+    obj = {text: [text, {"k": text}]}
+    if encoding == "ascii":
+        data = json.dumps(obj).encode()
+    else:
+        data = json.dumps(obj, ensure_ascii=False).encode(encoding, "surrogatepass")
+    decoded = json.loads(data)
+    holds = any(0xD800 <= ord(ch) <= 0xDFFF for ch in json.dumps(decoded, ensure_ascii=False))
+    if holds:
+        assert may_hold_surrogate(data)
+    if encoding == "utf-8" and "\x00" not in text and not any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
+        assert not may_hold_surrogate(data)  # raw UTF-8 with no surrogate passes (ASCII escapes may not)
