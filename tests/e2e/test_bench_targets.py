@@ -196,3 +196,15 @@ def test_issue21_rows_are_medians_of_per_rep_ratios() -> None:
         "| stream100 | 16 | loopwarden x bare (req/s) | 0.600 (0.50-0.70) | >= 0.65: not met |"
         in targets21.markdown(list(found.values()))
     )
+
+
+def test_app_cpu_rows_are_microseconds_per_event_against_two() -> None:
+    figures = {"buffered": 500.0, "one read": 1.5, "one event per read": 9.25}
+    found = {r.scenario: r for r in targets21.rows({"cells": {}, "loop": {}, "app_cpu": figures})}
+    assert found["one read"].met is True and found["event per read"].met is False
+    assert (
+        "| event per read | 1 | app CPU per streamed event (in-process, stream − buffered) | 9.25 µs | <= 2: not met |"
+        in targets21.markdown(list(found.values()))
+    )
+    missing = targets21.rows({"cells": {}, "loop": {}, "app_cpu": "not run in --quick mode"})
+    assert [(r.value, r.met, r.note) for r in missing] == [(None, None, "not run in --quick mode")] * 2
