@@ -24,6 +24,9 @@ the ratios are measured side by side, and prints:
   run by the client itself against direct upstream and the bare aiohttp proxy (a persistent MCP
   session per worker), and the cost of one MCP call on a persistent and on a fresh session;
 * memory: peak RSS growth per in-flight maximum-size request against its ledger charge;
+* (full mode) the whole app's CPU per streamed event in process, (streamed - buffered request CPU)
+  / 100 events, in both framings, and per buffered request: ``bench/stream_cpu.py --app`` once, in
+  its own process on core 1 with this tree's ``middleware``, at the end, when no load runs;
 * the issue-8 targets, met or not.
 
 ``--quick`` is a smoke run (under a minute); the default full run takes 6-8 minutes. Only ratios
@@ -37,7 +40,7 @@ tree's bytecode goes to the run's temp dir, not into PATH). Each sits next to it
 the targets of every rep, so both see the same machine. For each cell it then prints the
 per-rep ratios new/base (throughput, CPU per request, TTFE p50) with their median, and the median
 per-rep loopwarden x bare aiohttp ratios of both trees. ``--reps N`` sets the reps per cell (3 by
-default); ``--only buffered stream100:16 loop-stream:1 memory ...`` runs only those cells.
+default); ``--only buffered stream100:16 loop-stream:1 memory app-cpu ...`` runs only those cells.
 """
 
 from __future__ import annotations
@@ -685,6 +688,46 @@ async def client_side_loop(client: Client, target: Target, stream: bool, pool: M
         pool.free.append(mcp_client)
 
 
+#: Rounds of ``bench/stream_cpu.py --app`` in the full run (about half a second each).
+APP_CPU_ROUNDS = 15
+
+
+async def app_cpu(pin: bool, rounds: int = APP_CPU_ROUNDS) -> dict[str, float] | str:
+    """``bench/stream_cpu.py --app --json`` in its own process (on core 1 when `pin`), importing
+    this tree's ``middleware``: its figures (µs; `stream_cpu.measure_app`'s keys), or why none
+    (it failed or ran over 300 s)."""
+    argv = [PY, str(BENCH / "stream_cpu.py"), "--app", "--json", "--rounds", str(rounds)]
+    try:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            (["taskset", "-c", "1"] if pin else []) + argv,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return "stream_cpu.py --app ran over 300 s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return f"stream_cpu.py --app exited {done.returncode}: {done.stderr.strip()[-300:]}"
+    figures: dict[str, float] = json.loads(lines[-1])
+    return figures
+
+
+def app_cpu_line(figures: dict[str, float] | str | None) -> str:
+    """The report's line on the in-process app CPU figures (µs), or why they are missing."""
+    head = "App CPU in process (bench/stream_cpu.py --app, process CPU, best of its rounds): "
+    if not isinstance(figures, dict):
+        return head + (figures or "not run")
+    return head + (
+        f"{figures['one read']:.2f} µs per streamed event (stream - buffered) with the stream in one "
+        f"read, {figures['one event per read']:.2f} µs with one event per read; "
+        f"{figures['buffered']:.0f} µs per buffered request"
+    )
+
+
 async def mcp_call_costs(url: str, n: int) -> tuple[float, float]:
     """p50 seconds of one ``tools/call``: on a persistent session, and on a fresh session each time
     (connect, initialize, call, close — what loopwarden does once per round)."""
@@ -932,6 +975,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if base_tree is not None:
         results["machine"] += f"\nloopwarden@base: {base_tree} at {tree_commit(base_tree)}"
     results["mcp_call"] = (0.0, 0.0)
+    results["app_cpu"] = "not run in --quick mode" if args.quick else "not selected by --only"
     print(results["machine"])
     print(
         f"mode: {'quick' if args.quick else 'full'}, {plan.reps} reps; load generator, upstream and MCP server on core 0, "
@@ -1337,6 +1381,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             results["memory"].append(res)
         print(f"  done memory ({time.monotonic() - t_start:.0f} s)", flush=True)
+        if not args.quick and wanted(args.only, "app-cpu", None):  # no load runs now
+            results["app_cpu"] = await app_cpu(pin)
+            print(f"  done app CPU ({time.monotonic() - t_start:.0f} s)", flush=True)
     finally:
         procs.stop_all()
     results["elapsed"] = time.monotonic() - t_start
@@ -1571,6 +1618,8 @@ def report(results: dict[str, Any]) -> None:
         left=1,
     )
 
+    print("\n" + app_cpu_line(results.get("app_cpu")))
+
     print("\nIssue 8 targets (ratios from this run)")
     cells = results["cells"]
 
@@ -1645,6 +1694,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
     out["memory"] = [dataclasses.asdict(m) for m in results["memory"]]
     out["compare"] = comparisons(results)
     out["portkey"] = results.get("portkey")
+    out["app_cpu"] = results.get("app_cpu")
     out["issue21"] = [dataclasses.asdict(r) for r in targets21.rows(results)]
     return out
 
@@ -1685,7 +1735,7 @@ def main() -> None:
         nargs="+",
         metavar="CELL",
         help="only these cells: buffered, stream100, stream1mb, loop-buffered, loop-stream "
-        "(each optionally :C for one concurrency), memory",
+        "(each optionally :C for one concurrency), memory, app-cpu (full mode only)",
     )
     args = parser.parse_args()
     results = asyncio.run(run(args))

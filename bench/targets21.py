@@ -3,6 +3,8 @@
 Every target of one cell ran side by side in each rep (`run.py` interleaves them), so a ratio is
 taken rep by rep and the median of those is reported, with the reps' range. Figures per rep:
 throughput (req/s), CPU seconds per request (the server process's own), TTFE p50, latency p99.
+One figure is not a ratio: the app CPU per streamed event (µs, best of its rounds), measured in
+process by ``bench/stream_cpu.py --app`` (``results["app_cpu"]``), one row per framing.
 
 `rows(results)` gives one `Row` per figure; `print_rows` prints them; `markdown(rows)` is the
 table for the README. Targets the run could not measure (a peer not installed, a cell not run)
@@ -24,6 +26,11 @@ STORE_ON_TODAY = {
     ("stream100", 16): 0.11,
 }
 BARE, FLOOR, LW = "bare aiohttp", "floor", "loopwarden"
+#: The in-process figure of issue 21 (µs per event), its target, and its rows: scenario label ->
+#: the framing's key in ``bench/stream_cpu.py``'s `measure_app` figures.
+APP_CPU = "app CPU per streamed event (in-process, stream − buffered)"
+APP_CPU_TARGET = "<= 2"
+APP_FRAMINGS = {"one read": "one read", "event per read": "one event per read"}
 FAST = " fast"  # the suffix of the httptools + uvloop targets
 
 
@@ -31,7 +38,8 @@ FAST = " fast"  # the suffix of the httptools + uvloop targets
 class Row:
     """One figure: ``value`` the median per-rep ratio (None if not measured), ``reps`` the per-rep
     values, ``target`` a text such as ``">= 0.65"`` (empty: reported only), ``met`` True / False
-    / None (no target or not measured), ``note`` why it is n/a."""
+    / None (no target or not measured), ``note`` why it is n/a; ``unit`` empty for a ratio, else
+    the unit of a value that is not one (``"µs"``: the app CPU rows, best of rounds)."""
 
     what: str
     scenario: str
@@ -41,6 +49,15 @@ class Row:
     target: str = ""
     met: bool | None = None
     note: str = ""
+    unit: str = ""
+
+
+def _met(value: float, check: str) -> bool | None:
+    """Whether `value` meets `check` (``">= 0.65"``, ``"<= 2"``); None without a check."""
+    if not check:
+        return None
+    op, _, threshold = check.partition(" ")
+    return value >= float(threshold) if op == ">=" else value <= float(threshold)
 
 
 def _p99(samples: list[Any]) -> float | None:
@@ -86,11 +103,23 @@ def _row(
     if not reps:
         return Row(what, scenario, conc, None, (), check, None, "no rep with both figures")
     value = statistics.median(reps)
-    met: bool | None = None
-    if check:
-        op, _, threshold = check.partition(" ")
-        met = value >= float(threshold) if op == ">=" else value <= float(threshold)
-    return Row(what, scenario, conc, value, tuple(reps), check, met)
+    return Row(what, scenario, conc, value, tuple(reps), check, _met(value, check))
+
+
+def app_rows(figures: dict[str, float] | str | None) -> list[Row]:
+    """The app CPU per streamed event rows (µs, c=1: sequential requests), one per framing, from
+    `bench/stream_cpu.py`'s `measure_app` figures; a str is why they were not measured (None:
+    not run)."""
+    out = []
+    for scenario, key in APP_FRAMINGS.items():
+        if isinstance(figures, dict) and key in figures:
+            value = figures[key]
+            met = _met(value, APP_CPU_TARGET)
+            out.append(Row(APP_CPU, scenario, 1, value, (value,), APP_CPU_TARGET, met, unit="µs"))
+        else:
+            note = figures if isinstance(figures, str) else "not run"
+            out.append(Row(APP_CPU, scenario, 1, None, (), APP_CPU_TARGET, None, note, unit="µs"))
+    return out
 
 
 def _cell_rows(key: tuple[str, int], cells: dict[str, Any]) -> list[Row]:
@@ -194,10 +223,11 @@ def _loop_rows(key: tuple[str, int], cells: dict[str, Any]) -> list[Row]:
 
 def rows(results: dict[str, Any]) -> list[Row]:
     """Every issue-21 figure of a run (`run.run`'s results: ``cells`` and ``loop``, each a dict of
-    (scenario, c) -> {target name: Cell}). A peer that was not run gets its `Row` with the note
-    from ``results["peers"]``."""
+    (scenario, c) -> {target name: Cell}; ``app_cpu``, `app_rows`' figures). A peer that was not
+    run gets its `Row` with the note from ``results["peers"]``."""
     out = [r for key, cells in results["cells"].items() for r in _cell_rows(key, cells)]
     out += [r for key, cells in results["loop"].items() for r in _loop_rows(key, cells)]
+    out += app_rows(results.get("app_cpu"))
     notes = results.get("peers", {})
     for i, row in enumerate(out):
         for peer, label in (("litellm", "LiteLLM"), ("portkey", "Portkey")):
@@ -217,19 +247,23 @@ def _verdict(row: Row) -> str:
 def _value(row: Row) -> str:
     if row.value is None:
         return "-"
+    if row.unit:
+        return f"{row.value:.2f} {row.unit}"
     spread = f" ({min(row.reps):.2f}-{max(row.reps):.2f})" if len(row.reps) > 1 else ""
     return f"{row.value:.3f}{spread}"
 
 
 def print_rows(found: list[Row]) -> None:
-    """Print the figures grouped by scenario: what, c, median per-rep ratio (range), target."""
+    """Print the figures grouped by scenario: what, c, median per-rep ratio (range) or a value
+    with its unit, target."""
     print("\nIssue 21: figures and targets (median of per-rep ratios; reps' range in brackets)")
     for row in found:
         print(f"  {row.scenario:<14} c={row.c:<2} {row.what:<62} {_value(row):>20}  {_verdict(row)}")
 
 
 def markdown(found: list[Row]) -> str:
-    """The figures as a Markdown table (scenario, c, figure, median per-rep ratio, target)."""
+    """The figures as a Markdown table (scenario, c, figure, median per-rep ratio or a value with
+    its unit, target)."""
     lines = ["| scenario | c | figure | median (reps' range) | target |", "|---|---:|---|---:|---|"]
     lines += [f"| {r.scenario} | {r.c} | {r.what} | {_value(r)} | {_verdict(r)} |" for r in found]
     return "\n".join(lines)

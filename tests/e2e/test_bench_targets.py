@@ -9,6 +9,7 @@ official `openai` SDK is the client. Also checks the issue-21 table's arithmetic
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import os
 import socket
@@ -196,3 +197,26 @@ def test_issue21_rows_are_medians_of_per_rep_ratios() -> None:
         "| stream100 | 16 | loopwarden x bare (req/s) | 0.600 (0.50-0.70) | >= 0.65: not met |"
         in targets21.markdown(list(found.values()))
     )
+
+
+def test_app_cpu_rows_are_microseconds_per_event_against_two() -> None:
+    figures = {"buffered": 500.0, "one read": 1.5, "one event per read": 9.25}
+    found = {r.scenario: r for r in targets21.rows({"cells": {}, "loop": {}, "app_cpu": figures})}
+    assert found["one read"].met is True and found["event per read"].met is False
+    assert (
+        "| event per read | 1 | app CPU per streamed event (in-process, stream − buffered) | 9.25 µs | <= 2: not met |"
+        in targets21.markdown(list(found.values()))
+    )
+    missing = targets21.rows({"cells": {}, "loop": {}, "app_cpu": "not run in --quick mode"})
+    assert [(r.value, r.met, r.note) for r in missing] == [(None, None, "not run in --quick mode")] * 2
+
+
+def test_app_cpu_measures_completed_answers_in_process() -> None:
+    """`stream_cpu.measure_app` drives the real app (its checks raise on any other answer); in a
+    thread, so that the app's start-up leaves this process's collector alone."""
+    import stream_cpu
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        out = pool.submit(stream_cpu.measure_app, rounds=1, requests=2).result(timeout=60)
+    assert set(out) == {"buffered", "one read", "one event per read"}
+    assert out["buffered"] > 0
