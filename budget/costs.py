@@ -19,7 +19,6 @@ searches use sizes instead of rebuilding megabytes of JSON.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -271,9 +270,7 @@ class Payload:
     def text(cls, nbytes: int) -> Payload:
         """``nbytes`` bytes of ASCII inside a string (base64, answer text): bytes, no nodes."""
         return cls(
-            dataclasses.replace(
-                _ZERO, nbytes=nbytes, string_bytes=nbytes, chars=nbytes, longest_string=49 + nbytes
-            )
+            _ZERO._replace(nbytes=nbytes, string_bytes=nbytes, chars=nbytes, longest_string=49 + nbytes)
         )
 
     def __add__(self, other: Payload) -> Payload:
@@ -439,7 +436,7 @@ def answer_text(chars: int) -> Payload:
     bytes, and the `str` CPython builds (none for 0 or 1 characters: shared singletons)."""
     text = Payload.text(chars)
     header = 49 if chars >= 2 else -chars
-    return Payload(dataclasses.replace(text.features, string_bytes=text.features.string_bytes + header))
+    return Payload(text.features._replace(string_bytes=text.features.string_bytes + header))
 
 
 def base64_length(nbytes: int) -> int:

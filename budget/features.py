@@ -26,9 +26,8 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass
 from operator import methodcaller
-from typing import Final
+from typing import Final, NamedTuple
 
 __all__ = ["FeatureTally", "JsonFeatures"]
 
@@ -40,8 +39,13 @@ _NOT_WIDE: Final = bytes(c for c in range(256) if not 0xC4 <= c <= 0xEF)  # keep
 _ESC_ASTRAL: Final = re.compile(rb"\\u[dD][89abAB]")
 _ESC_WIDE: Final = re.compile(rb"\\u(?!00)")
 _ESC_LATIN1: Final = re.compile(rb"\\u00[89a-fA-F]")
-_SMALL_INT: Final = re.compile(
-    rb"(?<![-+.eE0-9])(?:[0-9]|[1-9][0-9]|1[0-9][0-9]|2[0-4][0-9]|25[0-6]|-[1-5])(?=[^-+.eE0-9])"
+#: Number bytes (what a number token may hold) kept, every other byte a space: ``split()`` then
+#: gives the maximal runs of number bytes (`FeatureTally.outside`).
+_NUM_RUNS: Final = bytes(c if c in b"-+.eE0123456789" else 0x20 for c in range(256))
+_NUM_BYTES: Final = frozenset(b"-+.eE0123456789")
+#: The tokens CPython parses to a shared small int (``-5..=256``), as they are written.
+_SMALL_INTS: Final = frozenset(
+    {str(i).encode() for i in range(257)} | {str(-i).encode() for i in range(1, 6)}
 )
 # '1' may start a number, '2' only continues one (the node counter's classes)
 _NUM_CLASS: Final = bytes(0x31 if c in b"-0123456789" else 0x32 if c in b"+.eE" else 0x30 for c in range(256))
@@ -54,9 +58,9 @@ _WIDE_STR: Final = 76  # header bound of any str (UCS-4: 76 + 4 per character)
 _LATIN1_STR: Final = sys.getsizeof("\xe9") - 1  # 73: header of a Latin-1 str
 
 
-@dataclass(frozen=True, slots=True)
-class JsonFeatures:
-    """The lexical features of one JSON text, all ints.
+class JsonFeatures(NamedTuple):
+    """The lexical features of one JSON text, all ints (an immutable named tuple: it is built once
+    per counted payload, and a tuple costs a seventh of a frozen dataclass to build).
 
     * ``nbytes`` — wire bytes; ``nodes`` — JSON nodes (`budget.nodes` rules);
     * ``string_bytes`` — bytes of the `str` objects a parse builds for every string and key (an
@@ -101,10 +105,10 @@ class JsonFeatures:
         """``self + k * other`` field by field (``k`` may be negative, for differences of real
         payloads in `budget.costs`); ``text_width``, ``longest_string`` and ``escaped`` are the
         larger of the two when ``k > 0``, else ``self``'s."""
-        values = {f: getattr(self, f) + k * getattr(other, f) for f in self.__dataclass_fields__}
-        for f in ("text_width", "longest_string", "escaped"):  # not sums: the wider / larger one
-            values[f] = max(getattr(self, f), getattr(other, f)) if k > 0 else getattr(self, f)
-        return JsonFeatures(**values)
+        values = [a + k * b for a, b in zip(self, other, strict=True)]
+        for i in _NOT_SUMMED:  # the wider / larger one
+            values[i] = max(self[i], other[i]) if k > 0 else self[i]
+        return JsonFeatures._make(values)
 
     @property
     def text_bytes(self) -> int:
@@ -128,6 +132,10 @@ class JsonFeatures:
         return self.nbytes + 2 * self.nonascii_bytes - 3 * self.lead3_bytes
 
 
+#: Positions of the fields `JsonFeatures.combine` does not sum: text_width, longest_string, escaped.
+_NOT_SUMMED: Final = tuple(JsonFeatures._fields.index(f) for f in ("text_width", "longest_string", "escaped"))
+
+
 def _width(data: bytes) -> int:
     """Widest character the raw bytes ``data`` (not ASCII) hold: 4, 2, or 1 (Latin-1)."""
     if data.translate(None, _NOT_ASTRAL):
@@ -135,6 +143,18 @@ def _width(data: bytes) -> int:
     if data.translate(None, _NOT_WIDE):
         return 2
     return 1
+
+
+def _small_ints(subject: bytes) -> int:
+    """The number tokens of `subject` (text outside strings) that are lexically certain to be a
+    shared small int: maximal runs of number bytes spelling ``-5``..``-1`` or ``0``..``256``,
+    followed by a byte that is not a number byte (a run that ends `subject` may go on in the
+    next piece, so it does not count)."""
+    runs = subject.translate(_NUM_RUNS).split()
+    small = sum(map(_SMALL_INTS.__contains__, runs))
+    if small and subject[-1] in _NUM_BYTES and runs[-1] in _SMALL_INTS:
+        small -= 1
+    return small
 
 
 class FeatureTally:
@@ -264,21 +284,53 @@ class FeatureTally:
         self.string_bytes += sum(sizes) - _EMPTY * sizes.count(_EMPTY) - _ONE * sizes.count(_ONE)
         self.longest = max(self.longest, *sizes)
 
-    def outside(self, out: bytes, after_number: bool) -> None:
+    def outside(self, out: bytes, after_number: bool) -> int:
         """The text outside strings of one piece (strings replaced by spaces); ``after_number``:
-        the previous piece ended on a number byte."""
-        self.objects += out.count(b"{")
-        self.empty_objects += out.count(b"{}")
-        self.arrays += out.count(b"[")
-        self.empty_arrays += out.count(b"[]")
+        the previous piece ended on a number byte. Returns the nodes it holds (containers,
+        literals, number starts: `budget.nodes` rules), which the counter adds to the strings'."""
+        objects = out.count(b"{")
+        arrays = out.count(b"[")
+        literals = out.count(b"t") + out.count(b"f") + out.count(b"n")
+        self.objects += objects
+        self.arrays += arrays
+        self.literals += literals
         self.members += out.count(b":")
-        self.literals += out.count(b"t") + out.count(b"f") + out.count(b"n")
+        if objects:  # "{}" holds a "{"
+            self.empty_objects += out.count(b"{}")
+        if arrays:
+            self.empty_arrays += out.count(b"[]")
         classes = out.translate(_NUM_CLASS)
         starts = classes.count(b"01") + (1 if classes[:1] == b"1" and not after_number else 0)
         self.numbers += starts
         self.number_bytes += len(classes) - classes.count(b"0")
-        subject = (b"0" if after_number else b" ") + out
-        self.small_ints += _SMALL_INT.subn(b"", subject)[1]
+        if starts or after_number:
+            self.small_ints += _small_ints((b"0" if after_number else b" ") + out)
+        return objects + arrays + literals + starts
+
+    def set_plain(self, values: tuple[int, ...]) -> None:
+        """Take the features of a fresh tally's one plain piece, counted at once by
+        `budget.nodes._plain_whole` (``values``: the `JsonFeatures` fields in order)."""
+        (
+            _,
+            _,
+            self.string_bytes,
+            self.strings,
+            self.objects,
+            self.empty_objects,
+            self.members,
+            self.arrays,
+            self.empty_arrays,
+            self.numbers,
+            self.small_ints,
+            self.number_bytes,
+            self.literals,
+            self.longest,
+            self.escaped,
+            self.nonascii,
+            self.lead3,
+            _,
+            self.width,
+        ) = values
 
     def result(self, nbytes: int, nodes: int) -> JsonFeatures:
         """The features so far (a string still open is not included)."""

@@ -48,7 +48,7 @@ from operator import sub
 from typing import Final
 
 from .errors import JsonTooDeep
-from .features import FeatureTally, JsonFeatures
+from .features import _ASCII_STR, FeatureTally, JsonFeatures, _small_ints
 
 __all__ = ["DEFAULT_MAX_DEPTH", "JsonFeatures", "JsonNodeCounter", "count_json_nodes", "json_features"]
 
@@ -204,7 +204,27 @@ class JsonNodeCounter:
     def _flush(self) -> None:
         if self._pending:
             pending, self._pending = self._pending, b""
+            if self.nbytes == len(pending) and self._whole(pending):
+                return  # a whole text in one plain piece: counted at once (`_plain_whole`)
             self._piece(pending)
+
+    def _whole(self, x: bytes) -> bool:
+        """Count ``x``, the whole text fed (one piece, nothing counted before it), in one go when
+        it is plain (`_plain_whole`): the same nodes, depth and features as `_piece`, the tally set
+        to them (a later `feed` goes on from there); False, changing nothing, when it is not."""
+        tally = self._tally
+        assert tally is not None
+        found = _plain_whole(x, self.max_depth)
+        if found is None:
+            return False
+        values, out_last, depth, deepest = found
+        self.nodes = values[1]
+        self._num = out_last in _NUM_BYTES
+        if self.max_depth is not None:
+            self.depth = depth
+            self.max_depth_seen = deepest
+        tally.set_plain(values)
+        return True
 
     def _piece(self, x: bytes) -> None:
         """Count one piece (1..64 KiB, non-empty), continuing the lexical state of the previous
@@ -246,13 +266,16 @@ class JsonNodeCounter:
                 out = out[: m.start()]
                 self._in_string = True
         if out:  # outside strings: containers, literals, numbers (one carried over is not new)
-            if tally is not None:
-                tally.outside(out, self._num)
-            nodes += out.count(b"{") + out.count(b"[") + out.count(b"t") + out.count(b"f") + out.count(b"n")
-            classes = out.translate(_NUM_CLASS)
-            nodes += classes.count(b"01")
-            if classes[0] == 0x31 and not self._num:
-                nodes += 1
+            if tally is not None:  # it counts the same containers, literals and numbers
+                nodes += tally.outside(out, self._num)
+            else:
+                nodes += (
+                    out.count(b"{") + out.count(b"[") + out.count(b"t") + out.count(b"f") + out.count(b"n")
+                )
+                classes = out.translate(_NUM_CLASS)
+                nodes += classes.count(b"01")
+                if classes[0] == 0x31 and not self._num:
+                    nodes += 1
             self._num = out[-1] in _NUM_BYTES
             if self.max_depth is not None:
                 brackets = out.translate(_SIGNED, _NOT_BRACKETS)
@@ -329,6 +352,69 @@ class JsonNodeCounter:
         if deepest > self.max_depth_seen:
             self.max_depth_seen = deepest
         self.depth = depth
+
+
+def _plain_whole(x: bytes, max_depth: int | None) -> tuple[tuple[int, ...], int, int, int] | None:
+    """`JsonNodeCounter`'s count of a whole text ``x`` (at most one piece, nothing before it) that
+    is plain — ASCII, no backslash, its strings all closed, its brackets never closing below
+    depth 0 and nesting at most ``max_depth`` (None: no cap) — with the C-level steps of
+    `JsonNodeCounter._piece` and `FeatureTally` for such a piece, and none of their per-piece
+    bookkeeping: ``(values, last, depth, deepest)``, ``values`` the `JsonFeatures` fields in
+    order, ``last`` the last byte outside strings. None when ``x`` is not plain (the general
+    path counts it, and raises `JsonTooDeep`). Pure; the results equal `_piece`'s (a property
+    test, tests/unit/test_budget_features.py)."""
+    if _BACKSLASH in x or not x.isascii():
+        return None
+    parts = x.split(b'"')
+    quotes = len(parts) - 1
+    if quotes & 1:
+        return None  # the last string runs on past the end
+    out = b" ".join(parts[0::2])
+    brackets = out.translate(_SIGNED, _NOT_BRACKETS)
+    depth = deepest = 0
+    if brackets:
+        levels = list(itertools.accumulate(array("b", brackets), initial=0))
+        if min(levels) < 0:
+            return None
+        deepest, depth = max(levels), levels[-1]
+        if max_depth is not None and deepest > max_depth:
+            return None
+    strings = parts[1::2]
+    count = quotes >> 1
+    string_bytes = longest = 0
+    if count:
+        lens = list(map(len, strings))
+        ones = lens.count(1)
+        total = len(x) - quotes - len(out) + count  # the strings' bytes: all but the quotes and out
+        string_bytes = _ASCII_STR * (count - lens.count(0) - ones) + total - ones
+        longest = _ASCII_STR + max(lens)
+    objects = out.count(b"{")
+    arrays = out.count(b"[")
+    literals = out.count(b"t") + out.count(b"f") + out.count(b"n")
+    classes = out.translate(_NUM_CLASS)
+    numbers = classes.count(b"01") + (classes[0] == 0x31)
+    values = (
+        len(x),
+        count + objects + arrays + literals + numbers,  # nodes
+        string_bytes,
+        count,
+        objects,
+        out.count(b"{}") if objects else 0,
+        out.count(b":"),
+        arrays,
+        out.count(b"[]") if arrays else 0,
+        numbers,
+        _small_ints(b" " + out) if numbers else 0,
+        len(classes) - classes.count(b"0"),
+        literals,
+        longest,
+        0,  # escaped
+        0,  # non-ASCII bytes
+        0,  # leads of 3-byte sequences
+        len(x),  # characters
+        1,  # width
+    )
+    return values, out[-1], depth, deepest
 
 
 def json_features(data: bytes | bytearray | memoryview, *, max_depth: int | None = None) -> JsonFeatures:
