@@ -124,14 +124,15 @@ def normalise_response(
             response[field] = fill
             changed = True
     changed |= _fill_resource(response, request, created_at)
-    tools = response.get("tools")
-    if not isinstance(tools, list):
+    upstream_tools = response.get("tools")
+    replace = not isinstance(upstream_tools, list)
+    tools: list[Any] = upstream_tools if isinstance(upstream_tools, list) else []
+    if replace:
         sent = request.get("tools")
         tools = sent if isinstance(sent, list) else []
-        changed = True
     echoed = [echo_tool(tool) for tool in tools]
-    if changed or any(new is not old for new, old in zip(echoed, tools, strict=True)):
-        response["tools"] = echoed
+    if replace or any(new is not old for new, old in zip(echoed, tools, strict=True)):
+        response["tools"] = echoed  # (a list the upstream sent as it is stays the same object)
         changed = True
     return changed or len(response) != before
 

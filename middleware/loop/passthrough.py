@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from budget import JsonFeatures
+from budget import JsonFeatures, json_features
 from middleware.loop.context import RequestContext
 from middleware.loop.echo import normalise_response
 from middleware.loop.items import response_summary, synthesized_events
@@ -41,6 +41,37 @@ NORMALISED_EVENTS = frozenset(
         "response.failed",
     }
 )
+
+
+def splice_members(
+    body: bytes, features: JsonFeatures | None, parsed: dict[str, Any], before: dict[str, Any]
+) -> tuple[bytes, JsonFeatures | None] | None:
+    """The answer to a buffered pass-through round whose response object `normalise_response`
+    only added members to: the upstream's own bytes `body` with the added members (``parsed``'s
+    keys not in ``before``, the object as the upstream sent it, in ``parsed``'s order) encoded and
+    inserted before the closing brace — the same object as re-encoding ``parsed``, at the cost of
+    encoding and counting the few added members instead of the whole response. The features
+    (`budget.JsonFeatures` of `body`, None under the reference model) come with it: the body's
+    combined with the inserted members' (sound: every byte of the answer is counted in one of
+    them). None when a member the upstream sent was replaced (a wrong type, a null the spec
+    forbids): then only re-encoding the object answers it.
+
+    A key missing from ``parsed`` is missing from `body` (its decoded keys are ``parsed``'s), so
+    the insertion never repeats one; `body` is a non-empty JSON object (it has ``output``). A body
+    in another encoding than UTF-8 (``json.loads`` reads UTF-16 and UTF-32 too) is re-encoded: None."""
+    if any(parsed[key] is not value for key, value in before.items()):
+        return None
+    members = {key: value for key, value in parsed.items() if key not in before}
+    if not members:
+        return body, features
+    head = body.rstrip(b" \t\r\n")
+    if not head.endswith(b"}"):  # another encoding than UTF-8 (json.loads reads UTF-16 too)
+        return None
+    added = dumps_checked(members)
+    spliced = head[:-1] + b"," + added[1:]
+    if features is not None:
+        features = features.combine(json_features(added))
+    return spliced, features
 
 
 class Passthrough:
@@ -78,21 +109,25 @@ class Passthrough:
             await response.aclose()
 
     async def _buffered(self, response: UpstreamResponse) -> None:
-        """A buffered upstream answer: normalised (`normalise_response`), then answered as JSON —
+        """A buffered upstream answer (its body's charge held to the end: nothing is kept past the
+        answer, `read_response_object` with ``keep_items=False``): normalised
+        (`normalise_response`), then answered as JSON —
         the upstream's own bytes when nothing was missing, else the re-encoded object, whose
         reference to the upstream's bytes is dropped first so one encoding is alive and charged
         (`admit_terminal`) — or replayed as events to a streamed call."""
-        answer = await read_response_object(response, self.ctx.ledger)
+        answer = await read_response_object(response, self.ctx.ledger, keep_items=False)
         parsed, items, body, features = answer.parsed, answer.items, answer.body, answer.features
         del answer
+        before = dict(parsed)  # the upstream's members (shallow: the values are shared)
         changed = normalise_response(parsed, self.ctx.request, created_at=self.ctx.created_at)
         if self.ctx.stream:  # a server that ignored "stream": the client still gets SSE
-            del body
+            del body, before
             await self._synthesize_stream(parsed, items)
             return
         if changed:
-            del body
-            body, features = dumps_checked(parsed), None
+            spliced = splice_members(body, features, parsed, before)
+            del body, before
+            body, features = spliced if spliced is not None else (dumps_checked(parsed), None)
         await self._answer_json(body, features)  # unchanged: the features counted as it was read
 
     async def _synthesize_stream(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from budget import BudgetExceeded, JsonFeatures, JsonNodeCounter, JsonTooDeep, Ledger, PoolExhausted
 from middleware.upstream.errors import (
@@ -86,11 +86,19 @@ def _finite_float(text: str) -> float:
     return value
 
 
+#: Built once: ``json.loads(..., parse_constant=...)`` builds a decoder (and its scanner, a
+#: reference cycle) on every call, which costs as much as decoding a text delta.
+_UPSTREAM_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def loads_upstream(data: bytes) -> Any:
     """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` and numbers out of the float range
     (``-1e400``, which ``float`` turns into ``-inf``) raise `UpstreamInvalid` (DESIGN.md §5: what
-    cannot be re-encoded as JSON is 502 ``upstream_invalid_response``)."""
-    return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+    cannot be re-encoded as JSON is 502 ``upstream_invalid_response``). The bytes are decoded as
+    ``json.loads`` decodes them (UTF-8, UTF-16 or UTF-32 by `json.detect_encoding`, with
+    ``surrogatepass``): `UnicodeDecodeError` for bytes that are not text, `ValueError`
+    (`json.JSONDecodeError`) for text that is not JSON."""
+    return _UPSTREAM_DECODER.decode(data.decode(json.detect_encoding(data), "surrogatepass"))
 
 
 class _RepeatedKey(Exception):
@@ -880,9 +888,17 @@ class ResponseBody:
     features: JsonFeatures | None = None
 
 
-async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> ResponseBody:
+async def read_response_object(
+    response: UpstreamResponse, ledger: Ledger, *, keep_items: bool = True
+) -> ResponseBody:
     """Read and parse a buffered upstream response object under the ledger (`read_buffered_body`),
     then exchange the body's charge for the kept output items' (admitted first, DESIGN.md §4).
+
+    ``keep_items=False`` (the pass-through, which keeps nothing past its answer): no exchange —
+    the body's charge, which covers the bytes and the whole parsed object (`ChargeModel.
+    measured_output`: the parse's peak), stays until the request ends, and ``charge`` is it. That
+    saves encoding and counting the items a second time; the charge held is never smaller than
+    what is kept (the items are part of the parsed object).
 
     Raises `UpstreamInvalid` for a body that is not a JSON object.
     """
@@ -904,6 +920,8 @@ async def read_response_object(response: UpstreamResponse, ledger: Ledger) -> Re
     check_response(parsed)
     output = parsed.get("output")
     items = [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
+    if not keep_items:
+        return ResponseBody(body, parsed, items, body_charge, features)
     kept = ledger.admit_accumulated(json.dumps(items, separators=(",", ":")).encode())
     ledger.release(body_charge)
     return ResponseBody(body, parsed, items, kept, features)
