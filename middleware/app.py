@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -511,12 +512,38 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
 }
 
 
+class GatewayApp(Starlette):
+    """The gateway's Starlette app, with one shortcut: ``POST /v1/responses`` (the request every
+    client sends, and every streamed event's ``send``) goes from the outermost layer straight to
+    its route's app — the same `ServerErrorMiddleware` (the one answer to a defect, a 500 through
+    `failure_handler`) and `RequestIdMiddleware` as every route, without the router's match and
+    the exception middleware's wrapper of every ``send``, neither of which that route uses (its
+    guard settles every failure itself). Any other request, a WebSocket upgrade, a ``root_path``
+    deployment and the lifespan go through Starlette as usual. ``responses``: that route's app."""
+
+    def __init__(self, *, responses: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._responses = ServerErrorMiddleware(RequestIdMiddleware(responses), handler=failure_handler)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"] == "/v1/responses"
+            and scope["method"] == "POST"
+            and not scope.get("root_path")
+        ):
+            scope["app"] = self
+            await self._responses(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: Settings,
     *,
     upstream_factory: Callable[[Settings, str], UpstreamClient] = default_upstream,
     pressure_source: Callable[[], float] = memory_pressure,
-) -> Starlette:
+) -> GatewayApp:
     """Build the gateway app for `settings`.
 
     `upstream_factory(settings, base_url)` makes the upstream client (default `default_upstream`);
@@ -531,15 +558,19 @@ def create_app(
     state.pool = build_pool(settings, pressure_source)
     parts = GatewayParts(settings, Authenticator(keys), ModelRouter(settings.model_routes), state.pool, state)
     background = BackgroundTasks(ResponsesApp(state), parts.get_store, settings)
-    return Starlette(
-        routes=build_routes(parts, background),
+    routes = build_routes(parts, background)
+    create = routes[0]  # Route("/v1/responses", POST): the guarded create
+    assert isinstance(create, Route) and create.path == "/v1/responses", create
+    return GatewayApp(
+        responses=create.app,
+        routes=routes,
         lifespan=gateway_lifespan(state, background, upstream_factory),
         exception_handlers=dict(EXCEPTION_HANDLERS),
         middleware=[Middleware(RequestIdMiddleware)],
     )
 
 
-def create_app_from_env() -> Starlette:
+def create_app_from_env() -> GatewayApp:
     """Factory for uvicorn workers: the settings come from the environment (`Settings.to_env`)."""
     settings = Settings.from_env_json()
     install_drain_hook(settings.transport.drain_timeout)

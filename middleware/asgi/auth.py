@@ -48,8 +48,13 @@ def owner_of_key(key: str) -> str:
 class Authenticator:
     """Checks a request's key against the configured ones and derives its owner."""
 
+    #: Owners of keys already admitted, by key: two SHA-256 per request saved. Bounded (cleared
+    #: when full); only admitted keys (a configured one, or any on an open gateway) go in.
+    MAX_CACHED = 1024
+
     def __init__(self, keys: Iterable[str]) -> None:
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+        self._owners: dict[str, str] = {}
 
     @property
     def open(self) -> bool:
@@ -68,6 +73,9 @@ class Authenticator:
         """The request's owner; raises 401 ``invalid_api_key`` when keys are configured and the
         presented key is missing or not one of them."""
         key = presented_key(scope)
+        owner = self._owners.get(key)
+        if owner is not None:
+            return owner
         if self._digests:
             digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
             if not any(hmac.compare_digest(digest, known) for known in self._digests):
@@ -76,4 +84,7 @@ class Authenticator:
                     f"{what}; send Authorization: Bearer <key> with one of the gateway's keys (the "
                     "operator configures them with --api-key, $LOOPWARDEN_API_KEY or --api-key-file)"
                 )
-        return owner_of_key(key)
+        if len(self._owners) >= self.MAX_CACHED:
+            self._owners.clear()
+        owner = self._owners[key] = owner_of_key(key)
+        return owner

@@ -173,7 +173,7 @@ class _Guard:
     def _count(self, status: int) -> None:
         if not self.counted:
             self.counted = True
-            metrics.REQUESTS.labels(status=str(status or 499), model=self.intake.model_label).inc()
+            metrics.count_request(status or 499, self.intake.model_label)
 
     async def run(self) -> None:
         metrics.INFLIGHT.inc()
@@ -326,12 +326,19 @@ class _Supervisor:
     whole-request deadline (``started_at + request_deadline``, `time.monotonic` seconds), the drain
     timeout (`DrainState`), a write to the client that has waited ``client_write_timeout`` seconds
     (``stalled``; the stream is marked before the app is cancelled, so no clean-up writes again),
-    and the client's ``http.disconnect`` (``gone``). One watcher task reads ``receive``; one timer
-    handle (``loop.call_later``, re-armed at most every second, or sooner when the deadline, the
-    drain or a blocked write is due) checks the rest. Either cancels the request's task; the
+    and the client's ``http.disconnect`` (``gone``). One timer handle (``loop.call_later``,
+    re-armed at most every second, or sooner when the deadline, the drain or a blocked write is
+    due) checks the rest, and at its first check, `WATCH_AFTER` seconds in, starts the one watcher
+    task that reads ``receive``: a request over by then never needed it (most buffered requests
+    to a fast upstream; a task costs a create, a cancel and an await), and a disconnect before it
+    is noticed `WATCH_AFTER` seconds late at most (the server records it meanwhile; the watcher's
+    first ``receive`` returns it at once). Either cancels the request's task; the
     `asyncio.CancelledError` is caught here and the task uncancelled, so the guard settles the
     outcome in the same task. A cancellation from outside (server shutdown) propagates.
     """
+
+    #: Seconds into the request before the disconnect watcher starts (see the class docstring).
+    WATCH_AFTER = 0.02
 
     __slots__ = (
         "_cancelled",
@@ -372,8 +379,7 @@ class _Supervisor:
             return None
         task = self._task = asyncio.current_task()
         assert task is not None
-        self._watcher = self._loop.create_task(self._watch())
-        self._timer = self._loop.call_later(wake, self._fire)
+        self._timer = self._loop.call_later(min(wake, self.WATCH_AFTER), self._fire)
         failure: Exception | None = None
         try:
             await app(scope, receive, send)
@@ -388,11 +394,12 @@ class _Supervisor:
         finally:
             if self._timer is not None:
                 self._timer.cancel()
-            self._watcher.cancel()
-            # awaited: a receive's own clean-up runs before the request ends (a WebSocket turn's
-            # keeps a message that arrived meanwhile for the next turn, in order)
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+            if self._watcher is not None:
+                self._watcher.cancel()
+                # awaited: a receive's own clean-up runs before the request ends (a WebSocket
+                # turn's keeps a message that arrived meanwhile for the next turn, in order)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._watcher
         if self._cancelled:  # the app swallowed the cancellation: undo it all the same
             task.uncancel()
         return failure
@@ -430,8 +437,11 @@ class _Supervisor:
         return min(max(wake, 0.0), 1.0, write_timeout)
 
     def _fire(self) -> None:
-        """The timer: end the request, or re-arm for the next check."""
+        """The timer: end the request, or re-arm for the next check (the first check starts the
+        disconnect watcher)."""
         self._timer = None
+        if self._watcher is None:
+            self._watcher = self._loop.create_task(self._watch())
         wake = self._due()
         if wake is None:
             self._cancel()

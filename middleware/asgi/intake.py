@@ -24,10 +24,10 @@ The checks in DESIGN.md §3 order, each raising a `middleware.errors.Failure` (o
 
 Between 3 and 4, once the whole body is read, and again once it is parsed, the retry shield
 (`middleware.ops.shield`): a request identical to one that failed deterministically (same
-caller, limits and body) within the window raises `ShieldHit` with the remembered answer. The
-body's SHA-256 is computed while it is read (the key until the body parses); the canonical digest
-of the parsed request (key order does not count) is computed only for a caller the shield holds
-a failure of, or when the guard remembers a failure (`Intake.shield_key`).
+caller, limits and body) within the window raises `ShieldHit` with the remembered answer. Both
+keys — the SHA-256 of the body's bytes (the key until the body parses) and the canonical digest of
+the parsed request (key order does not count) — are computed only for a caller the shield holds a
+failure of, or when the guard remembers a failure (`Intake.shield_key`).
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class IntakeConfig:
     validate: Callable[[dict[str, Any]], None] = validate_request
     create: bool = True
     shield: RetryShield | None = None
+    _permissive: ChargeModel = dataclasses.field(init=False, repr=False, compare=False)
 
     def model_for(self, name: str | None) -> ChargeModel:
         """The charge model of a route naming ``name`` (None: the server's)."""
@@ -118,8 +119,13 @@ class IntakeConfig:
     def permissive_model(self) -> ChargeModel:
         """The configured model that admits the most before routing (the measured one when any
         route or the server uses it): it sets the raw clamp and the admission reservation."""
+        return self._permissive
+
+    def __post_init__(self) -> None:
+        # once per config: the routes do not change
         names = {self.charge_model.name} | {r.charge_model for r in self.router.routes if r.charge_model}
-        return self.model_for("measured" if "measured" in names else "reference")
+        permissive = self.model_for("measured" if "measured" in names else "reference")
+        object.__setattr__(self, "_permissive", permissive)
 
 
 class Intake:
@@ -143,8 +149,8 @@ class Intake:
         self.ledger: Ledger | None = None
         self.model_label = "other"
         self.lowered: set[str] = set()
-        self._digest = hashlib.sha256()
-        self._raw_key: bytes | None = None  # set once the whole body is read (shield on)
+        self._raw: bytes | None = None  # the whole body, once read (shield on): its key's source
+        self._raw_key: bytes | None = None
         self._parsed: dict[str, Any] | None = None
         self._parsed_key: bytes | None = None
         self._limits: tuple[int, int] = (0, 0)
@@ -163,7 +169,7 @@ class Intake:
         self.reservation = self._reserve(limits, declared, permissive)
         counter = JsonNodeCounter(max_depth=DEFAULT_MAX_DEPTH, features=permissive.parse is not None)
         raw = await self._receive_body(clamp, limits, permissive, counter)
-        self._shield_read(limits)
+        self._shield_read(raw, limits)
         # The body's own charge (what parsing it retains) is admitted before it is parsed; whether
         # the store doubles it (the persisted projection) is known only after parsing, so the
         # doubled charge replaces the single one then — exact for both, and sound throughout.
@@ -269,25 +275,37 @@ class Intake:
     def shield_key(self) -> bytes | None:
         """The retry-shield key of this request (`middleware.ops.shield.request_key`): of the
         parsed request (`canonical_digest`, computed once, here if not yet) when it parsed, else of
-        the body's bytes; None before the whole body was read or with the shield off."""
+        the body's bytes (their SHA-256, computed once, here if not yet); None before the whole
+        body was read or with the shield off."""
         if self._parsed is not None and self._parsed_key is None:
             self._parsed_key = request_key(self.shield_identity, self._limits, canonical_digest(self._parsed))
-        return self._parsed_key or self._raw_key
+        return self._parsed_key or self._raw_body_key()
 
-    def _shield_read(self, limits: Limits) -> None:
-        """The whole body is read: its key from its bytes; `ShieldHit` when the shield has it."""
+    def _raw_body_key(self) -> bytes | None:
+        if self._raw_key is None and self._raw is not None:
+            digest = hashlib.sha256(self._raw).digest()
+            self._raw_key = request_key(self.shield_identity, self._limits, digest)
+        return self._raw_key
+
+    def _shield_read(self, raw: bytes, limits: Limits) -> None:
+        """The whole body is read: `ShieldHit` when the shield has it under its bytes' key — looked
+        up (and the key computed) only for a caller the shield holds a failure of: no other
+        caller's key can be there (a key includes its caller)."""
         shield = self.config.shield
         if shield is None or not shield.enabled or turn_of(self.scope) is not None:
             return  # a WebSocket turn's failure is an envelope on its connection, not a replayable answer
         self._limits = (limits.max_retained_bytes, limits.max_infer_iters)
-        self._raw_key = request_key(self.shield_identity, self._limits, self._digest.digest())
-        self._raise_hit(shield, self._raw_key)
+        self._raw = raw
+        if shield.knows(self.shield_identity):
+            key = self._raw_body_key()
+            assert key is not None
+            self._raise_hit(shield, key)
 
     def _shield_parsed(self, request: dict[str, Any]) -> None:
         """The body parsed: `ShieldHit` when the shield has the parsed request, looked up only for
         a caller the shield holds a failure of (the digest walks the whole request)."""
         shield = self.config.shield
-        if shield is None or self._raw_key is None:
+        if shield is None or self._raw is None:
             return
         self._parsed = request
         if shield.knows(self.shield_identity):
@@ -382,7 +400,6 @@ class Intake:
                     counter.feed(chunk)
                 except JsonTooDeep as exc:
                     raise InvalidRequest(str(exc), code="json_too_deep") from None
-                self._digest.update(chunk)
                 parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)

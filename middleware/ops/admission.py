@@ -45,6 +45,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
+from middleware.errors import CallerShareFull, CallerShareTooLarge, Overloaded, ProcessBudgetExceeded
 from middleware.ops import metrics
 
 #: Seconds between two writes of the admission gauges in multiprocess mode (`ProcessPool._publish`).
@@ -239,8 +240,6 @@ class ProcessPool:
         ``declared``: the body has a ``Content-Length`` (else the messages say to send one: a body
         without one reserves ``max_retained_bytes``). The create intake and the store routes'
         reads both admit through here."""
-        from middleware.errors import CallerShareFull, CallerShareTooLarge, Overloaded, ProcessBudgetExceeded
-
         hint = "" if declared else "send a Content-Length (a body without one reserves max_retained_bytes), "
         if initial > self.budget:
             raise ProcessBudgetExceeded(

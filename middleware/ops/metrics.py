@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import (
     REGISTRY,
@@ -516,6 +516,20 @@ WORKER_RSS = _gauge("loopwarden_worker_resident_memory_bytes", "livemax")
 WORKER_BASELINE_RSS = _gauge("loopwarden_worker_baseline_resident_memory_bytes", "livemax")
 WEBSOCKET_CONNECTIONS = _gauge("loopwarden_websocket_connections", "livesum")
 WEBSOCKET_TURNS = _counter("loopwarden_websocket_turns_total")
+
+#: ``REQUESTS`` children by (status, model label): both labels are bounded (DESIGN.md §8), and a
+#: child looked up once costs no lock and no label check on every later request.
+_REQUEST_CHILDREN: dict[tuple[int, str], Any] = {}
+
+
+def count_request(status: int, model: str) -> None:
+    """Count one request in ``loopwarden_requests_total{status, model}`` (`model` a bounded label
+    value: a configured model name or `OTHER_MODEL`)."""
+    child = _REQUEST_CHILDREN.get((status, model))
+    if child is None:
+        child = _REQUEST_CHILDREN[status, model] = REQUESTS.labels(status=str(status), model=model)
+    child.inc()
+
 
 #: The transport of the request being served (the ``transport`` label of a cap hit): ``http``
 #: unless the WebSocket endpoint set it for its connection's task (and the tasks it starts).

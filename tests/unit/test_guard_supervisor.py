@@ -1,6 +1,7 @@
 """The guard's supervision (`middleware.asgi.guard._Supervisor`, issue 21 item 2): the inner app runs
-in the request's own task, with one watcher task and one timer handle, and whatever ends it (the
-deadline, a disconnect, a cancellation from outside) ends as before. Fake ``receive`` / ``send``."""
+in the request's own task, with one timer handle and — past `_Supervisor.WATCH_AFTER` — one watcher
+task, and whatever ends it (the deadline, a disconnect, a cancellation from outside) ends as
+before. Fake ``receive`` / ``send``."""
 
 from __future__ import annotations
 
@@ -54,7 +55,12 @@ def error_code(sent: list[Message]) -> str:
     return str(json.loads(body)["error"]["code"])
 
 
-def test_the_app_runs_in_the_requests_own_task_with_one_extra_task() -> None:
+@pytest.mark.parametrize(("work", "tasks"), [(0.0, 1), (0.1, 2)])
+def test_the_app_runs_in_the_requests_own_task_and_the_watcher_only_past_its_delay(
+    work: float, tasks: int
+) -> None:
+    """A request over within `_Supervisor.WATCH_AFTER` runs with no extra task; a longer one gets
+    the one disconnect watcher, gone once the request ends."""
     seen: dict[str, Any] = {}
 
     async def main() -> list[Message]:
@@ -62,7 +68,8 @@ def test_the_app_runs_in_the_requests_own_task_with_one_extra_task() -> None:
 
         async def inner(scope: Scope, receive: Receive, send: Send) -> None:
             seen["same_task"] = asyncio.current_task() is outer
-            seen["tasks"] = len(asyncio.all_tasks())  # this one and the disconnect watcher
+            await asyncio.sleep(work)
+            seen["tasks"] = len(asyncio.all_tasks())  # this one (and the disconnect watcher)
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"{}"})
 
@@ -73,7 +80,7 @@ def test_the_app_runs_in_the_requests_own_task_with_one_extra_task() -> None:
 
     sent = asyncio.run(main())
     assert status_of(sent) == 200
-    assert seen == {"same_task": True, "tasks": 2, "after": 1}
+    assert seen == {"same_task": True, "tasks": tasks, "after": 1}
 
 
 def test_the_deadline_cancels_the_app_and_answers_504() -> None:
