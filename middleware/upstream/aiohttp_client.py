@@ -44,6 +44,16 @@ FRAMING_CONFLICT = (
 DEADLINE_MESSAGE = "upstream call passed its whole-call deadline (--upstream-deadline)"
 
 
+class _DeadlinePassed(Exception):
+    """The whole-call deadline passed while the body was read (`_expire`)."""
+
+
+def _expire(content: aiohttp.StreamReader) -> None:
+    """The deadline's timer: fail the body's reader (what it holds is not handed over)."""
+    if not content.is_eof():
+        content.set_exception(_DeadlinePassed())
+
+
 class _FramingConflict(Exception):
     """aiohttp refused a response that carries both Content-Length and Transfer-Encoding."""
 
@@ -185,38 +195,49 @@ class _AiohttpResponse:
         self.status_code = response.status
         self.headers: Mapping[str, str] = _lower_headers(response.headers)
         self._watch = _fail_body_when_connection_closes(response)
+        self._expiry: asyncio.TimerHandle | None = None  # the deadline's timer, while the body is read
 
     async def chunks(self) -> AsyncIterator[bytes]:
         content = self._response.content
         resize = getattr(content, "set_read_chunk_size", None)  # what content.read(READ_SIZE) sets
         if resize is not None:  # (recent aiohttp releases) each time: once is the same
             resize(READ_SIZE)
-        while True:
-            try:
-                # bounded: at most READ_SIZE bytes of what has arrived, so a caller that stops (a
-                # cap hit) has been handed no more than with httpx. Bytes that have arrived are
-                # read without a timer; only a read that has to wait runs under the deadline
-                chunk = content.read_nowait(READ_SIZE)
-                if not chunk and not content.is_eof():
-                    async with asyncio.timeout_at(self._deadline):
+        # the whole-call deadline: one timer for the body, which fails the body's reader when it
+        # fires (a read waiting then, or any read after, raises `_DeadlinePassed`), instead of a
+        # timeout context around every read that waits (a token-paced stream waits on each)
+        self._expiry = asyncio.get_running_loop().call_at(self._deadline, _expire, content)
+        try:
+            while True:
+                try:
+                    # bounded: at most READ_SIZE bytes of what has arrived, so a caller that stops
+                    # (a cap hit) has been handed no more than with httpx
+                    chunk = content.read_nowait(READ_SIZE)
+                    if not chunk and not content.is_eof():
                         chunk = await content.read(READ_SIZE)
-            except (aiohttp.ClientError, HttpProcessingError) as exc:  # before TimeoutError (see _send)
-                failure = _translate(
-                    exc, during="body", connect_timeout=self._connect_timeout, read_timeout=self._read_timeout
-                )
-                break
-            except TimeoutError:
-                raise UpstreamTimeout(DEADLINE_MESSAGE, phase="deadline") from None
-            if not chunk:
-                return
-            self._timing.first_byte()
-            yield chunk
-        for chunk in _unread(content):  # what came before the failure, as httpx hands it over
-            self._timing.first_byte()
-            yield chunk
-        raise failure
+                except (aiohttp.ClientError, HttpProcessingError) as exc:
+                    failure = _translate(
+                        exc,
+                        during="body",
+                        connect_timeout=self._connect_timeout,
+                        read_timeout=self._read_timeout,
+                    )
+                    break
+                except _DeadlinePassed:
+                    raise UpstreamTimeout(DEADLINE_MESSAGE, phase="deadline") from None
+                if not chunk:
+                    return
+                self._timing.first_byte()
+                yield chunk
+            for chunk in _unread(content):  # what came before the failure, as httpx hands it over
+                self._timing.first_byte()
+                yield chunk
+            raise failure
+        finally:
+            self._expiry.cancel()
 
     async def aclose(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
         if not self._timing.done():
             return
         _unwatch(self._watch)
