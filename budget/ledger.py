@@ -47,6 +47,18 @@ class ChargePool(Protocol):
         ...
 
 
+def _pool_admits(pool: ChargePool, nbytes: int) -> bool:
+    """Whether `pool` would let `try_take` take ``nbytes`` now, changing nothing: its own
+    ``can_take`` when it has one, else a take given straight back."""
+    can_take = getattr(pool, "can_take", None)
+    if can_take is not None:
+        return bool(can_take(nbytes))
+    if not pool.try_take(nbytes):
+        return False
+    pool.give_back(nbytes)
+    return True
+
+
 def _size(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -258,6 +270,22 @@ class Ledger:
         m = self._model
         need = m.stream_chunk_need(nbytes) + m.frame_charge(max_frame, self._store)
         return self._charged + need <= self._limit
+
+    def stream_read_admits(self, nbytes: int, max_frame: int) -> bool:
+        """`stream_read_fits` and, when it does, whether the widest frame's own charge
+        (`admit_stream_bytes` of ``max_frame``) could be drawn from the pool now — the outcome of
+        admitting it and releasing it at once, without doing either: the peak notes the frame as
+        that would (``charged`` + its retained charge), the pool is only asked. For the stream
+        fast path (`middleware.upstream.reader`): one check per read, no pool traffic per read.
+        Raises nothing."""
+        if not self.stream_read_fits(nbytes, max_frame):
+            return False
+        charge = self._model.stream_retained_charge(max_frame)
+        if self._pool is not None and charge and not _pool_admits(self._pool, charge):
+            return False
+        if self._charged + charge > self._peak:
+            self._peak = self._charged + charge
+        return True
 
     def admit_accumulated(
         self, data: BytesLike, nodes: int | None = None, *, features: JsonFeatures | None = None

@@ -293,6 +293,12 @@ class ProcessPool:
         self._hold(caller, nbytes)
         return None
 
+    def can_draw(self, nbytes: int, *, caller: str) -> bool:
+        """Whether `draw` of ``nbytes`` for ``caller`` would succeed now (changes nothing)."""
+        return (
+            self.reserved + nbytes <= self.budget and self.held_by.get(caller, 0) + nbytes <= self.caller_cap
+        )
+
     def _hold(self, caller: str, nbytes: int) -> None:
         if nbytes > 0:
             self.held_by[caller] = self.held_by.get(caller, 0) + nbytes
@@ -355,6 +361,12 @@ class RequestReservation:
         self.charged += nbytes
         self.pool.charged += nbytes
         return True
+
+    def can_take(self, nbytes: int) -> bool:
+        """Whether `try_take` of ``nbytes`` would succeed now (changes nothing, records no
+        refusal): the ledger's check for a charge it would release at once."""
+        need = self.charged + nbytes - self.held
+        return need <= 0 or self.pool.can_draw(need, caller=self.caller)
 
     def give_back(self, nbytes: int) -> None:
         """Release ``nbytes``; what exceeds the initial reservation goes back to the pool."""

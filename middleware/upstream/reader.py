@@ -129,12 +129,16 @@ def duplicate_key(data: bytes, obj: Any) -> bool:
     return False
 
 
+#: The encoder of `dumps_checked`, built once (``json.dumps`` with arguments builds one per call).
+_COMPACT: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def dumps_checked(obj: Any) -> bytes:
     """Compact JSON of `obj` for the client or the upstream, refusing what JSON cannot carry: an
     upstream number that overflowed to infinity (``1e999``) or NaN raises `UpstreamInvalid`
     (``json.dumps`` would write ``Infinity``, which no JSON parser accepts)."""
     try:
-        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        return _COMPACT.encode(obj).encode()
     except ValueError:
         raise UpstreamInvalid(
             "upstream JSON holds a number out of range (it overflows to infinity)"
@@ -368,20 +372,15 @@ class _FastPath:
         staged = acc.stage(heads) if acc is not None else None
         if acc is not None and staged is None:
             return False
-        try:  # the peak and the pool see the largest frame once, as the per-frame path shows it
-            charge = ledger.admit_stream_bytes(widest) if ledger.stream_read_fits(held, widest) else -1
-        except (BudgetExceeded, PoolExhausted):
-            charge = -1
-        if charge < 0:
+        # the peak notes the largest frame once, as the per-frame path shows it, and the pool is
+        # asked for room for it (its charge would be released at once: nothing is taken)
+        if not ledger.stream_read_admits(held, widest):
             if acc is not None and staged is not None:
                 acc.unstage(staged)
             return False
-        try:
-            if acc is not None and staged is not None:
-                acc.keep(staged)
-            await self._fast.on_run(chunk if end == len(chunk) else chunk[:end], count)
-        finally:
-            ledger.release(charge)
+        if acc is not None and staged is not None:
+            acc.keep(staged)
+        await self._fast.on_run(chunk if end == len(chunk) else chunk[:end], count)
         return True
 
 

@@ -376,3 +376,19 @@ def test_a_reservation_over_a_callers_whole_share_is_413_at_once(upstream: MockU
     assert headers["x-should-retry"] == "false" and headers["connection"] == "close"
     assert m.delta(CAP_HITS, limit="caller_share", outcome="413") == 1
     assert upstream.requests == []
+
+
+@pytest.mark.parametrize("nbytes", [0, 100, 900, 901, 5_000, 10_000])
+def test_can_take_answers_what_try_take_would_do_and_changes_nothing(nbytes: int) -> None:
+    """`RequestReservation.can_take` (the stream fast path asks the pool for room without
+    drawing): the same answer as `try_take`, the pool's and the reservation's figures unchanged."""
+    pool = ProcessPool(10_000, max_share_per_caller=0.5)  # a caller may hold 5,000
+    other = pool.reserve_request(1_000, caller="b", retry_after=1.0)
+    reservation = pool.reserve_request(100, caller="a", retry_after=1.0)
+    assert reservation.try_take(100)  # the reservation itself is used up
+    before = (pool.reserved, pool.charged, dict(pool.held_by), reservation.held, reservation.charged)
+    answer = reservation.can_take(nbytes)
+    assert (pool.reserved, pool.charged, dict(pool.held_by), reservation.held, reservation.charged) == before
+    assert reservation.refusal is None
+    assert answer == reservation.try_take(nbytes)
+    other.close()

@@ -352,3 +352,33 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedgerMachine = LedgerMachine.TestCase
 TestLedgerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_read_bound_that_fits_takes_nothing_and_notes_the_peak() -> None:
+    """`Ledger.stream_read_admits` (the stream fast path's one check per read): the bound of the
+    whole read and the widest frame's own charge, asked of the pool, committed nowhere."""
+    model = budget.ChargeModel()
+    pool = Pool(capacity=1 << 20)
+    ledger = Ledger(1 << 20, pool=pool)
+    ledger.reserve(1_000)
+    assert ledger.stream_read_admits(1_000, 200)
+    assert (ledger.charged, pool.taken) == (1_000, 1_000)  # nothing kept, nothing drawn
+    assert ledger.peak == 1_000 + model.stream_retained_charge(200)  # as admitting it would show
+    need = model.stream_chunk_need(1_000) + model.frame_charge(200, False)
+    short, exact = Ledger(1_000 + need - 1), Ledger(1_000 + need)
+    short.reserve(1_000)
+    exact.reserve(1_000)
+    assert not short.stream_read_admits(1_000, 200)  # the bound, exactly
+    assert exact.stream_read_admits(1_000, 200)
+
+
+def test_a_read_bound_is_refused_when_the_pool_has_no_room_for_the_widest_frame() -> None:
+    frame = budget.ChargeModel().stream_retained_charge(200)
+    pool = Pool(capacity=1_000 + frame - 1)
+    ledger = Ledger(1 << 20, pool=pool)
+    ledger.reserve(1_000)
+    assert not ledger.stream_read_admits(1_000, 200)  # a take of the frame's charge would fail
+    assert (ledger.charged, pool.taken) == (1_000, 1_000)
+    pool.capacity += 1
+    assert ledger.stream_read_admits(1_000, 200)
+    assert pool.taken == 1_000  # a pool without can_take: taken and given straight back
