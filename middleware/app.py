@@ -29,7 +29,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -57,7 +56,7 @@ from middleware.ops.admission import (
     memory_pressure,
 )
 from middleware.ops.redact import register_secret
-from middleware.ops.request_id import RequestIdMiddleware
+from middleware.ops.request_id import REQUEST_ID, RequestIdMiddleware, request_id_of
 from middleware.ops.shield import RetryShield
 from middleware.state import GatewayState
 from middleware.store.reads import StoreReads
@@ -515,27 +514,41 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
 class GatewayApp(Starlette):
     """The gateway's Starlette app, with one shortcut: ``POST /v1/responses`` (the request every
     client sends, and every streamed event's ``send``) goes from the outermost layer straight to
-    its route's app — the same `ServerErrorMiddleware` (the one answer to a defect, a 500 through
-    `failure_handler`) and `RequestIdMiddleware` as every route, without the router's match and
-    the exception middleware's wrapper of every ``send``, neither of which that route uses (its
-    guard settles every failure itself). Any other request, a WebSocket upgrade, a ``root_path``
-    deployment and the lifespan go through Starlette as usual. ``responses``: that route's app."""
+    its route's app, with no wrapper around ``send``: the request id is set here (its header is
+    added by the route's `ClientStream`, the one writer of its answers), and a defect that
+    escapes the guard (which settles every failure itself) is answered here as Starlette's
+    `ServerErrorMiddleware` answers any route's (a 500 through `failure_handler`, when nothing
+    was sent yet; then re-raised for the server to log). Any other request, a WebSocket upgrade,
+    a ``root_path`` deployment and the lifespan go through Starlette as usual. ``responses``:
+    that route's app."""
 
     def __init__(self, *, responses: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._responses = ServerErrorMiddleware(RequestIdMiddleware(responses), handler=failure_handler)
+        self._responses = responses
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if (
-            scope["type"] == "http"
-            and scope["path"] == "/v1/responses"
-            and scope["method"] == "POST"
-            and not scope.get("root_path")
+            scope["type"] != "http"
+            or scope["path"] != "/v1/responses"
+            or scope["method"] != "POST"
+            or scope.get("root_path")
         ):
-            scope["app"] = self
-            await self._responses(scope, receive, send)
+            await super().__call__(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        scope["app"] = self
+        rid = request_id_of(scope)
+        token = REQUEST_ID.set(rid)
+        try:
+            await self._responses(scope, receive, send)
+        except Exception as exc:
+            response = await failure_handler(Request(scope), exc)
+            response.headers["x-request-id"] = rid
+            # refused by the server when the answer began already: then it is cut, as Starlette does
+            with contextlib.suppress(Exception):
+                await response(scope, receive, send)
+            raise
+        finally:
+            REQUEST_ID.reset(token)
 
 
 def create_app(

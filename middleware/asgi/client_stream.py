@@ -42,6 +42,7 @@ from typing import Any
 from starlette.types import Message, Send
 
 from middleware import outcomes
+from middleware.ops.request_id import REQUEST_ID
 from middleware.upstream.reader import dumps_checked
 from middleware.upstream.sse import KEEPALIVE, encode_event
 
@@ -133,6 +134,12 @@ class ClientStream:
         if message["type"] == "http.response.start":
             self.committed = True
             self.status = message["status"]
+            rid = REQUEST_ID.get()
+            if rid != "-":  # the request's id on every answer (RequestIdMiddleware keeps one)
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())],
+                }
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.finished = True
             if self._on_final is not None:
