@@ -121,9 +121,11 @@ class JsonNodeCounter:
     __slots__ = (
         "_bs",
         "_error",
+        "_feat",
         "_in_string",
         "_num",
         "_pending",
+        "_plain",
         "_tally",
         "depth",
         "max_depth",
@@ -150,7 +152,9 @@ class JsonNodeCounter:
         self._error: JsonTooDeep | None = None
         self.nbytes = 0
         """Bytes fed so far."""
-        self._tally: FeatureTally | None = FeatureTally() if features else None
+        self._feat = features
+        self._tally: FeatureTally | None = None  # with features: made by the first piece counted
+        self._plain: tuple[int, ...] | None = None  # the features of a whole text counted at once
         self._pending = b""  # with features: the bytes of the current 64 KiB piece so far
 
     def features(self) -> JsonFeatures:
@@ -160,10 +164,22 @@ class JsonNodeCounter:
         the text into 64 KiB pieces at fixed offsets of the whole text, holding back the current
         piece, so its features (and its nodes and depth, which lag by less than one piece until
         this is called) are the same for every chunking. Raises `JsonTooDeep` like `feed`."""
-        if self._tally is None:
+        if not self._feat:
             raise ValueError("this JsonNodeCounter was made without features=True")
         self._flush()
-        return self._tally.result(self.nbytes, self.nodes)
+        if self._plain is not None:
+            return JsonFeatures._make(self._plain)
+        return self._ensure_tally().result(self.nbytes, self.nodes)
+
+    def _ensure_tally(self) -> FeatureTally:
+        """The tally, made on first use (it goes on from a whole text counted at once)."""
+        tally = self._tally
+        if tally is None:
+            tally = self._tally = FeatureTally()
+            if self._plain is not None:
+                tally.set_plain(self._plain)
+                self._plain = None
+        return tally
 
     @property
     def in_string(self) -> bool:
@@ -181,7 +197,7 @@ class JsonNodeCounter:
         data = chunk if isinstance(chunk, bytes) else bytes(chunk)
         n = len(data)
         self.nbytes += n
-        if self._tally is not None:  # features: pieces aligned on the whole text, whatever the chunks
+        if self._feat:  # features: pieces aligned on the whole text, whatever the chunks
             self._aligned(data)
             return self.nodes
         if n <= _PIECE:
@@ -210,10 +226,8 @@ class JsonNodeCounter:
 
     def _whole(self, x: bytes) -> bool:
         """Count ``x``, the whole text fed (one piece, nothing counted before it), in one go when
-        it is plain (`_plain_whole`): the same nodes, depth and features as `_piece`, the tally set
-        to them (a later `feed` goes on from there); False, changing nothing, when it is not."""
-        tally = self._tally
-        assert tally is not None
+        it is plain (`_plain_whole`): the same nodes, depth and features as `_piece` (a later
+        `feed` goes on from there: `_ensure_tally`); False, changing nothing, when it is not."""
         found = _plain_whole(x, self.max_depth)
         if found is None:
             return False
@@ -223,7 +237,7 @@ class JsonNodeCounter:
         if self.max_depth is not None:
             self.depth = depth
             self.max_depth_seen = deepest
-        tally.set_plain(values)
+        self._plain = values
         return True
 
     def _piece(self, x: bytes) -> None:
@@ -231,7 +245,7 @@ class JsonNodeCounter:
         one: the carried escape and open string first, then the strings, then what lies outside
         them (structure, literals, numbers, depth). The common path (no state carried from the
         previous piece) calls no helper: this runs once per fed chunk."""
-        tally = self._tally
+        tally = self._ensure_tally() if self._feat else None
         if tally is not None:
             tally.raw(x)
         if self._bs or x[-1] == _BACKSLASH:
@@ -421,6 +435,10 @@ def json_features(data: bytes | bytearray | memoryview, *, max_depth: int | None
     """The `JsonFeatures` of ``data`` (one-shot `JsonNodeCounter` with ``features=True``), in the
     same single lexical pass that counts nodes. Never raises on malformed JSON (only
     `JsonTooDeep` when ``max_depth`` is given and exceeded)."""
+    if 0 < len(data) < _PIECE:  # one piece: a plain text is counted at once, with no counter
+        found = _plain_whole(data if isinstance(data, bytes) else bytes(data), max_depth)
+        if found is not None:
+            return JsonFeatures._make(found[0])
     counter = JsonNodeCounter(max_depth=max_depth, features=True)
     counter.feed(data)
     return counter.features()

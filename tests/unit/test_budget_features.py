@@ -62,8 +62,7 @@ def general_path(data: bytes, max_depth: int | None) -> tuple[object, ...]:
     counter.nbytes = len(data)
     if data:
         counter._piece(data)
-    tally = counter._tally
-    assert tally is not None
+    tally = counter._ensure_tally()
     return tally.result(counter.nbytes, counter.nodes), counter.nodes, counter.depth, counter.max_depth_seen
 
 
