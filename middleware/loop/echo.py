@@ -51,6 +51,9 @@ ECHO_DEFAULTS: Final[dict[str, object]] = {
     "text": {"format": {"type": "text"}},
 }
 _NULL_ALLOWED: Final = frozenset({"metadata"})  # no type in the spec: null is kept, absence filled
+_ECHO_FIELDS: Final = frozenset(ECHO_DEFAULTS)
+#: The echo fields whose null is replaced by the default (the spec types them non-null).
+_NOT_NULL: Final = tuple(f for f, v in ECHO_DEFAULTS.items() if v is not _NULL and f not in _NULL_ALLOWED)
 _VERBOSITY: Final = ("low", "medium", "high")
 _FUNCTION_TOOL_DEFAULTS: Final = (("description", None), ("parameters", None), ("strict", True))
 
@@ -111,11 +114,14 @@ def normalise_response(
     now). Never raises on odd upstream values: they are replaced."""
     before = len(response)
     changed = False
-    for field, value in ECHO_DEFAULTS.items():
-        current = response.get(field, _NULL)
-        if current is _NULL or (current is None and value is not _NULL and field not in _NULL_ALLOWED):
-            response[field] = _default(field, request)
-            changed = True
+    # the usual upstream sends every echo field, none null where the spec forbids it: two C-level
+    # checks instead of the loop below
+    if not response.keys() >= _ECHO_FIELDS or None in map(response.__getitem__, _NOT_NULL):
+        for field, value in ECHO_DEFAULTS.items():
+            current = response.get(field, _NULL)
+            if current is _NULL or (current is None and value is not _NULL and field not in _NULL_ALLOWED):
+                response[field] = _default(field, request)
+                changed = True
     for field, fill in (
         ("text", _fill_text(response["text"], request)),
         ("reasoning", _fill_reasoning(response["reasoning"])),

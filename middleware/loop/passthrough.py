@@ -10,6 +10,7 @@ answer to a buffered call is aggregated. Failures are raised for the guard to se
 
 from __future__ import annotations
 
+from operator import is_not
 from typing import Any
 
 from budget import JsonFeatures, json_features
@@ -59,11 +60,16 @@ def splice_members(
     A key missing from ``parsed`` is missing from `body` (its decoded keys are ``parsed``'s), so
     the insertion never repeats one; `body` is a non-empty JSON object (it has ``output``). A body
     in another encoding than UTF-8 (``json.loads`` reads UTF-16 and UTF-32 too) is re-encoded: None."""
-    if any(parsed[key] is not value for key, value in before.items()):
+    if any(map(is_not, map(parsed.__getitem__, before), before.values())):
         return None
-    members = {key: value for key, value in parsed.items() if key not in before}
-    if not members:
+    # normalise_response only adds members (at the end, in order) and replaces values: the keys
+    # past the upstream's are the added ones (checked: the upstream's keys come first, unchanged)
+    keys = list(parsed)
+    if keys[: len(before)] != list(before):
+        return None
+    if len(keys) == len(before):
         return body, features
+    members = {key: parsed[key] for key in keys[len(before) :]}
     head = body.rstrip(b" \t\r\n")
     if not head.endswith(b"}"):  # another encoding than UTF-8 (json.loads reads UTF-16 too)
         return None
