@@ -218,6 +218,9 @@ async def read_stream_events(
                     segment, at = await split(todo, at)  # forwards the regular frames first
                     if len(todo) > at > len(todo) // 2:  # drop what is done (copies O(read) in all)
                         todo, at = todo[at:], 0
+                elif split is not None and at < len(todo):  # a frame begun in an earlier read
+                    end = _held_frame_end(todo, at, reader.parser)  # its rest goes exact, then fast
+                    segment, at = (todo[at:end] if at or end < len(todo) else todo), end
                 else:
                     segment, at = (todo[at:] if at else todo), len(todo)
                 for piece in [segment] if len(segment) <= SLICE else _slices(segment):
@@ -400,6 +403,18 @@ def _frames_end_from(chunk: bytes, start: int, frames: int | None) -> int:
             return len(chunk)
         at = cut + 2
     return at
+
+
+def _held_frame_end(chunk: bytes, start: int, parser: SSEParser) -> int:
+    """Where, in ``chunk[start:]``, the frame the parser holds the beginning of ends: just past
+    its blank line (the first ``\n\n``, or the very first byte when it is ``\n`` and the parser
+    holds no unfinished line: the previous read ended with a line end), else ``len(chunk)``. The
+    rest of the read, from there, starts a frame: the fast path looks at it again (a read that
+    began mid-frame, as reads over a network do, is not all taken the exact way)."""
+    if chunk[start : start + 1] == b"\n" and not parser.line_held:
+        return start + 1
+    cut = chunk.find(b"\n\n", start)
+    return len(chunk) if cut < 0 else cut + 2
 
 
 def _slices(chunk: bytes) -> list[bytes]:

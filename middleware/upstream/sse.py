@@ -51,6 +51,12 @@ class SSEParser:
         self._data: list[bytes] = []
 
     @property
+    def line_held(self) -> bool:
+        """Whether an unfinished line is held (bytes after the last line end fed, or a CR that may
+        start a CRLF): then the next byte does not start a line."""
+        return bool(self._buf)
+
+    @property
     def pending(self) -> int:
         """Raw bytes held for no completed event yet (the partial line and the lines taken since
         the last dispatched event)."""

@@ -422,3 +422,16 @@ def test_a_text_said_to_hold_no_surrogate_decodes_to_none(text: str, encoding: s
         assert may_hold_surrogate(data)
     if encoding == "utf-8" and "\x00" not in text and not any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
         assert not may_hold_surrogate(data)  # raw UTF-8 with no surrogate passes (ASCII escapes may not)
+
+
+@pytest.mark.parametrize("inside", [1, 20, -1])  # in the event line, the data, before its blank line
+def test_a_read_that_begins_mid_frame_goes_fast_after_that_frame(inside: int) -> None:
+    """A read that begins inside a frame (over a network reads end anywhere): the rest of that
+    frame is taken the exact way, then the rest of the read goes fast again — not all of it the
+    exact way."""
+    frames = [_delta(i) for i in range(40)]
+    body = b"".join(frames) + _terminal(40)
+    cut = sum(map(len, frames[:20])) + (inside if inside > 0 else len(frames[20]) + inside)
+    out, outcome, runs = run_stream([body[:cut], body[cut:]], fast=True, limit=64 << 20)
+    assert (out, outcome) == (body, "response.completed")
+    assert runs == 2  # frames 0-19 in the first read; 21-39 after frame 20 in the second
