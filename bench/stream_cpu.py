@@ -16,7 +16,8 @@ streamed request - CPU of one buffered request) / events". `middleware.app.creat
 lifespan run, is called directly with an ASGI scope, ``receive`` and ``send`` (no sockets); its
 upstream client (``upstream_factory``) is a `ScriptedUpstream` answering with bench/upstream.py's
 ``small`` scenario body bytes: buffered, the response object; streamed, the 100 SSE events all in
-one read, or one event per read. ``--requests`` sequential requests per kind and round (50), best
+one read, one event per read, or in network reads (`NETWORK_READ` bytes each, most ending inside a
+frame, as reads over TLS or a real network do). ``--requests`` sequential requests per kind and round (50), best
 of ``--rounds`` interleaved rounds after one warm-up round; every answer is checked (a 200; the
 stream's 100 events end in ``response.completed``; the buffered response object is completed, with
 the scenario's text) so that the figure cannot measure an error path. Prints µs per event for each
@@ -49,6 +50,10 @@ from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import UpstreamEvent, read_round
 
 EVENTS = 100
+#: Bytes per upstream read in the ``network reads`` framing: a TCP segment's payload (MSS 1448).
+NETWORK_READ = 1448
+#: The framings of the streamed answer `measure_app` measures.
+FRAMINGS = ("one read", "one event per read", "network reads")
 
 
 def _frame(obj: dict[str, Any]) -> bytes:
@@ -328,10 +333,16 @@ def check_answer(status: int, body: bytes, stream: bool) -> None:
 
 
 async def _app_rounds(rounds: int, requests: int) -> dict[str, float]:
-    """Best-of-`rounds` CPU seconds per request of each kind (``buffered``, ``one read``, ``one
-    event per read``), after one warm-up round; raises RuntimeError on an unexpected answer."""
+    """Best-of-`rounds` CPU seconds per request of each kind (``buffered`` and the `FRAMINGS`),
+    after one warm-up round; raises RuntimeError on an unexpected answer."""
     buffered, (content_type, frames) = small_answers()
-    framings = {"one read": [b"".join(frames)], "one event per read": frames}
+    whole = b"".join(frames)
+    framings = {
+        "one read": [whole],
+        "one event per read": frames,
+        # reads as a network delivers them (a TCP segment's payload): most end inside a frame
+        "network reads": [whole[i : i + NETWORK_READ] for i in range(0, len(whole), NETWORK_READ)],
+    }
     client = ScriptedUpstream(buffered, (content_type, frames))
     settings = Settings(upstream=SCRIPTED_URL, store="memory")
     app = create_app(settings, upstream_factory=lambda settings, base_url: client)
@@ -358,11 +369,11 @@ async def _app_rounds(rounds: int, requests: int) -> dict[str, float]:
 def measure_app(rounds: int = 15, requests: int = 50) -> dict[str, float]:
     """The whole app's CPU in process (see the module docstring), best of `rounds` interleaved
     rounds of `requests` sequential requests each: ``buffered`` µs per buffered request, and for
-    the framings ``one read`` and ``one event per read`` µs per streamed event, (streamed request
+    each of the `FRAMINGS` µs per streamed event, (streamed request
     - buffered request) / `EVENTS`. Raises RuntimeError on an unexpected answer."""
     best = asyncio.run(_app_rounds(rounds, requests))
     out = {"buffered": best["buffered"] * 1e6}
-    for kind in ("one read", "one event per read"):
+    for kind in FRAMINGS:
         out[kind] = (best[kind] - best["buffered"]) / EVENTS * 1e6
     return out
 
@@ -376,7 +387,7 @@ def print_app(rounds: int, requests: int, as_json: bool) -> None:
     print(f"app: middleware from {Path(middleware.__file__).resolve().parent.parent}")
     print(f"app: best of {rounds} rounds of {requests} sequential requests of each kind, process CPU")
     print(f"{'app, buffered: per request':64s} {figures['buffered']:8.2f} µs")
-    for kind in ("one read", "one event per read"):
+    for kind in FRAMINGS:
         print(f"{f'app, streamed, {kind}: per event (stream − buffered)':64s} {figures[kind]:8.2f} µs")
 
 

@@ -30,7 +30,11 @@ BARE, FLOOR, LW = "bare aiohttp", "floor", "loopwarden"
 #: the framing's key in ``bench/stream_cpu.py``'s `measure_app` figures.
 APP_CPU = "app CPU per streamed event (in-process, stream − buffered)"
 APP_CPU_TARGET = "<= 2"
-APP_FRAMINGS = {"one read": "one read", "event per read": "one event per read"}
+APP_FRAMINGS = {
+    "one read": "one read",
+    "event per read": "one event per read",
+    "network reads": "network reads",
+}
 FAST = " fast"  # the suffix of the httptools + uvloop targets
 
 
