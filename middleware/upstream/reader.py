@@ -39,6 +39,7 @@ from middleware.upstream.fastpath import (
     NOT_REGULAR,
     STITCHED_IRREGULAR_TYPES,
     frames_end,
+    key_total,
     may_hold_surrogate,
     no_duplicate_keys,
     regular_prefix,
@@ -131,6 +132,17 @@ def duplicate_key(data: bytes, obj: Any) -> bool:
 
 #: The encoder of `dumps_checked`, built once (``json.dumps`` with arguments builds one per call).
 _COMPACT: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
+def repeats_a_key(data: bytes, obj: Any, features: JsonFeatures | None) -> bool:
+    """Whether the valid JSON text `data` (decoded: `obj`) repeats a key within one object. With
+    its `JsonFeatures` (counted as it was read), exact at the cost of one walk of `obj`'s
+    containers: ``members`` counts the ``:`` outside strings, one per key written, and `key_total`
+    the distinct keys of every object, so they differ exactly when an object repeats a key
+    (``"a"`` and ``"\\u0061"`` are one key decoded). Without them, `duplicate_key`."""
+    if features is not None:
+        return features.members != key_total(obj)
+    return duplicate_key(data, obj)
 
 
 def dumps_checked(obj: Any) -> bytes:
@@ -914,15 +926,22 @@ async def read_response_object(
     saves encoding and counting the items a second time; the charge held is never smaller than
     what is kept (the items are part of the parsed object).
 
-    Raises `UpstreamInvalid` for a body that is not a JSON object.
+    Raises `UpstreamInvalid` for a body that is not a JSON object, is not UTF-8 (RFC 8259 §8.1:
+    JSON exchanged between systems is UTF-8; ``json.loads`` would read UTF-16 or UTF-32 too, and the
+    pass-through answers with the upstream's own bytes) or repeats a key within an object (its
+    meaning would depend on the client's parser: DESIGN.md §5, as for a streamed frame).
     """
     body, body_charge, features = await read_buffered_body(response, ledger)
+    if json.detect_encoding(body) != "utf-8":
+        raise UpstreamInvalid("upstream answered JSON in another encoding than UTF-8")
     try:
         parsed = loads_upstream(body)
     except (ValueError, RecursionError):
         raise UpstreamInvalid("upstream answered with a body that is not JSON") from None
     if not isinstance(parsed, dict):
         raise UpstreamInvalid("upstream answered with JSON that is not a response object")
+    if repeats_a_key(body, parsed, features):
+        raise UpstreamInvalid("upstream answered a JSON object that repeats a key within one object")
     if may_hold_surrogate(body):  # else provably none: no walk over every string
         refuse_lone_surrogates(parsed, "response body")
     if not isinstance(parsed.get("output"), list):  # e.g. an error envelope answered with a 2xx
