@@ -95,11 +95,13 @@ _UPSTREAM_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, par
 def loads_upstream(data: bytes) -> Any:
     """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` and numbers out of the float range
     (``-1e400``, which ``float`` turns into ``-inf``) raise `UpstreamInvalid` (DESIGN.md §5: what
-    cannot be re-encoded as JSON is 502 ``upstream_invalid_response``). The bytes are decoded as
-    ``json.loads`` decodes them (UTF-8, UTF-16 or UTF-32 by `json.detect_encoding`, with
-    ``surrogatepass``): `UnicodeDecodeError` for bytes that are not text, `ValueError`
-    (`json.JSONDecodeError`) for text that is not JSON."""
-    return _UPSTREAM_DECODER.decode(data.decode(json.detect_encoding(data), "surrogatepass"))
+    cannot be re-encoded as JSON is 502 ``upstream_invalid_response``). The bytes must be UTF-8
+    (RFC 8259 §8.1; an event stream is UTF-8 too, WHATWG HTML §9.2.5), decoded with
+    ``surrogatepass`` as ``json.loads`` does, so raw surrogate bytes reach the lone-surrogate
+    check: `UnicodeDecodeError` for bytes that are not UTF-8 — ``json.loads`` would read UTF-16
+    or UTF-32 as well, and the pass-through forwards a frame's or a body's bytes as they came —
+    `ValueError` (`json.JSONDecodeError`) for text that is not JSON (a byte order mark included)."""
+    return _UPSTREAM_DECODER.decode(data.decode("utf-8", "surrogatepass"))
 
 
 class _RepeatedKey(Exception):
