@@ -10,8 +10,9 @@ answer to a buffered call is aggregated. Failures are raised for the guard to se
 
 from __future__ import annotations
 
+import re
 from operator import is_not
-from typing import Any
+from typing import Any, Final
 
 from budget import JsonFeatures, json_features
 from middleware.loop.context import RequestContext
@@ -44,6 +45,21 @@ NORMALISED_EVENTS = frozenset(
 )
 
 
+def _added_members(parsed: dict[str, Any], before: dict[str, Any]) -> dict[str, Any] | None:
+    """The members `normalise_response` added to ``parsed`` (its keys past ``before``'s, the
+    object as the upstream sent it, in ``parsed``'s order; {} when none), or None when it
+    replaced one the upstream sent (a wrong type, a null the spec forbids) or the upstream's keys
+    do not come first, unchanged: then only re-encoding the object answers it."""
+    if any(map(is_not, map(parsed.__getitem__, before), before.values())):
+        return None
+    # normalise_response only adds members (at the end, in order) and replaces values: the keys
+    # past the upstream's are the added ones (checked: the upstream's keys come first, unchanged)
+    keys = list(parsed)
+    if keys[: len(before)] != list(before):
+        return None
+    return {key: parsed[key] for key in keys[len(before) :]}
+
+
 def splice_members(
     body: bytes, features: JsonFeatures | None, parsed: dict[str, Any], before: dict[str, Any]
 ) -> tuple[bytes, JsonFeatures | None] | None:
@@ -54,30 +70,71 @@ def splice_members(
     encoding and counting the few added members instead of the whole response. The features
     (`budget.JsonFeatures` of `body`, None under the reference model) come with it: the body's
     combined with the inserted members' (sound: every byte of the answer is counted in one of
-    them). None when a member the upstream sent was replaced (a wrong type, a null the spec
-    forbids): then only re-encoding the object answers it.
+    them). None when a member the upstream sent was replaced (`_added_members`).
 
     A key missing from ``parsed`` is missing from `body` (its decoded keys are ``parsed``'s), so
     the insertion never repeats one; `body` is a non-empty JSON object (it has ``output``). A body
-    in another encoding than UTF-8 (``json.loads`` reads UTF-16 and UTF-32 too) is re-encoded: None."""
-    if any(map(is_not, map(parsed.__getitem__, before), before.values())):
+    in another encoding than UTF-8 is refused before this (`read_response_object`)."""
+    members = _added_members(parsed, before)
+    if members is None:
         return None
-    # normalise_response only adds members (at the end, in order) and replaces values: the keys
-    # past the upstream's are the added ones (checked: the upstream's keys come first, unchanged)
-    keys = list(parsed)
-    if keys[: len(before)] != list(before):
-        return None
-    if len(keys) == len(before):
+    if not members:
         return body, features
-    members = {key: parsed[key] for key in keys[len(before) :]}
-    head = body.rstrip(b" \t\r\n")
-    if not head.endswith(b"}"):  # another encoding than UTF-8 (json.loads reads UTF-16 too)
+    head = body.rstrip(_WHITESPACE)
+    if not head.endswith(b"}") or not before:
         return None
     added = dumps_checked(members)
     spliced = head[:-1] + b"," + added[1:]
     if features is not None:
         features = features.combine(json_features(added))
     return spliced, features
+
+
+#: JSON's insignificant whitespace (RFC 8259 §2).
+_WHITESPACE: Final = b" \t\r\n"
+#: The end of an event object whose last member is ``"sequence_number"`` (written so, an integer)
+#: and whose member before it ends with ``}``: the match starts at that brace (OpenAI writes a
+#: lifecycle event as ``{"type":..,"response":{..},"sequence_number":N}``). The ``"`` before
+#: ``sequence_number`` follows ``,`` or whitespace, so it opens a string: the last key's token.
+_SEQUENCE_LAST: Final = re.compile(
+    rb'\}[ \t\r\n]*,[ \t\r\n]*"sequence_number"[ \t\r\n]*:[ \t\r\n]*-?[0-9]+[ \t\r\n]*\}[ \t\r\n]*\Z'
+)
+
+
+def splice_event_response(
+    data: bytes, event: dict[str, Any], response: dict[str, Any], before: dict[str, Any]
+) -> bytes | None:
+    """A lifecycle or terminal event's upstream ``data:`` bytes (`data`, decoded: `event`) with
+    the members `normalise_response` added to its ``response`` object (`response`; ``before``: as
+    the upstream sent it) inserted before that object's closing brace: the same event as
+    re-encoding `event`, at the cost of encoding the added members instead of the response and its
+    output (issue 21: vLLM and other upstreams leave echo fields out of every lifecycle event).
+
+    The brace is found where it provably is: ``response`` is the event's last member (the brace
+    is the last but one), or the last but one before an integer ``sequence_number``
+    (`_SEQUENCE_LAST`); `event`'s keys are in the order of the text (one token each: a repeated
+    key was refused). None when it is anywhere else, the object was empty or a member was
+    replaced (`_added_members`): the caller re-encodes. `data` is UTF-8 (`loads_upstream`)."""
+    members = _added_members(response, before)
+    if members is None or not before:
+        return None
+    if not members:
+        return data
+    text = data.rstrip(_WHITESPACE)
+    keys = list(event)
+    if keys[-1] == "response":
+        inner = text[:-1].rstrip(_WHITESPACE)
+        if not (text.endswith(b"}") and inner.endswith(b"}")):
+            return None
+        brace = len(inner) - 1
+    elif keys[-2:] == ["response", "sequence_number"]:
+        last = _SEQUENCE_LAST.search(text)
+        if last is None:
+            return None
+        brace = last.start()
+    else:
+        return None
+    return data[:brace] + b"," + dumps_checked(members)[1:-1] + data[brace:]
 
 
 class Passthrough:
@@ -185,13 +242,19 @@ class Passthrough:
 
     async def _forward(self, event: UpstreamEvent) -> None:
         """Forward one upstream event (checked in order by `read_round`); only the lifecycle and terminal
-        events' response objects are normalised (re-encoded when something was filled), the rest
-        go out as received."""
+        events' response objects are normalised — what was filled is inserted into the upstream's
+        bytes where that object's end is provable (`splice_event_response`), else the event is
+        re-encoded — the rest go out as received."""
         changed = event.changed
+        data = event.data
         response = event.obj.get("response")
         self._opened |= event.type == "response.created"  # in order: `read_round`'s `StreamOrder`
         if event.type in NORMALISED_EVENTS and isinstance(response, dict):
-            changed |= normalise_response(response, self.ctx.request, created_at=self.ctx.created_at)
+            before = dict(response)  # the upstream's members (shallow: the values are shared)
+            if normalise_response(response, self.ctx.request, created_at=self.ctx.created_at):
+                spliced = None if changed else splice_event_response(data, event.obj, response, before)
+                changed = spliced is None
+                data = spliced if spliced is not None else data
             if event.type == "response.created":
                 self._created = response_summary(response)
-        await self.client.forward(event.type, event.data, event.obj, changed=changed)
+        await self.client.forward(event.type, data, event.obj, changed=changed)
