@@ -220,7 +220,9 @@ async def read_stream_events(
     chunks = response.chunks()
     timer = _KeepaliveTimer(client.keepalive, client.keepalive_interval, client.last_sent) if client else None
     idle = client.flush if client is not None else None
-    split = _FastPath(ledger, client, fast).split if fast is not None and client is not None else None
+    path = _FastPath(ledger, client, fast) if fast is not None and client is not None else None
+    split = path.split if path is not None else None
+    held = path.held if path is not None else None
     try:
         while not reader.ended:
             if idle is not None:
@@ -233,8 +235,11 @@ async def read_stream_events(
                     if len(todo) > at > len(todo) // 2:  # drop what is done (copies O(read) in all)
                         todo, at = todo[at:], 0
                 elif split is not None and at < len(todo):  # a frame begun in an earlier read
-                    end = _held_frame_end(todo, at, reader.parser)  # its rest goes exact, then fast
-                    segment, at = (todo[at:end] if at or end < len(todo) else todo), end
+                    end = _held_frame_end(todo, at, reader.parser)  # its rest completes it, then fast
+                    if held is not None and await held(todo, at, end, reader):
+                        segment, at = b"", end  # taken whole: forwarded, the parser cleared
+                    else:
+                        segment, at = (todo[at:end] if at or end < len(todo) else todo), end
                 else:
                     segment, at = (todo[at:] if at else todo), len(todo)
                 for piece in [segment] if len(segment) <= SLICE else _slices(segment):
@@ -304,6 +309,13 @@ class _ExactReader:
         if self.parser.pending:
             self.held = ledger.admit_stream_bytes(self.parser.pending, transient=False)
 
+    def drop_held(self) -> None:
+        """The frame the parser held the beginning of was taken whole (`_FastPath.held`): clear
+        the parser and release the charge for its bytes."""
+        self.parser.clear()
+        self.ledger.release(self.held)
+        self.held = 0
+
     def close(self) -> None:
         """Release what the parser held (it is gone with the reader)."""
         self.ledger.release(self.held + self.frame)
@@ -369,6 +381,32 @@ class _FastPath:
         if cut < 0:
             return chunk[at:], len(chunk)
         return chunk[at : cut + 2], cut + 2
+
+    async def held(self, chunk: bytes, start: int, end: int, reader: _ExactReader) -> bool:
+        """Take the frame whose beginning `reader`'s parser holds whole when this read completes
+        it (``chunk[start:end]``, `end` from `_held_frame_end`): the beginning as the parser took
+        it (`SSEParser.held_frame_start`) joined with its rest is classified as one frame
+        (`regular_prefix`) and, when regular and the consumer takes it, forwarded under the same
+        one bound as a run (the read and the beginning held at once); then the parser is cleared
+        and its charge released (True). Else nothing changes (False): the rest goes the exact
+        way. Over a network most reads end inside a frame; without this, the rest of each went
+        the exact way (~15 µs a read)."""
+        head = reader.parser.held_frame_start()
+        if head is None:
+            return False
+        frame = head + chunk[start:end]
+        if not frame.endswith(b"\n\n"):
+            return False  # not complete in this read
+        stop, count, widest, heads = regular_prefix(
+            frame, self._client.next_sequence, self._names, self._irregular
+        )
+        accept = self._fast.accept
+        if count != 1 or stop != len(frame) or (accept is not None and accept(heads) != 1):
+            return False
+        if not await self._forward(frame, stop, 1, widest, heads, held=len(chunk) + len(head)):
+            return False
+        reader.drop_held()
+        return True
 
     def _resize(self, block: bytes, end: int, count: int) -> None:
         """Narrow the window to `FAST_WINDOW` frames when fewer than half of the frames looked at

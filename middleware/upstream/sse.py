@@ -56,6 +56,29 @@ class SSEParser:
         start a CRLF): then the next byte does not start a line."""
         return bool(self._buf)
 
+    def held_frame_start(self) -> bytes | None:
+        """The frame begun so far, written as `encode_event` writes a frame, when that is exact:
+        ``event: NAME\n`` for the event line taken (none when there is none), ``data: DATA\n`` for
+        the one data line taken (if any), then the unfinished line's bytes as fed. Followed by
+        the rest of the frame as it comes, these bytes parse to the same event as what was fed
+        (the lines taken are written back as their parse; comments, ``id:`` lines and other fields
+        taken are dropped, as `encode_event` drops them), so the frame may be classified as a
+        whole (the stream fast path: `middleware.upstream.fastpath.regular_prefix`). None when
+        it is not exact: more than one data line taken, or a CR held (CR line ends)."""
+        if len(self._data) > 1 or b"\r" in self._buf:
+            return None
+        head = b"event: " + self._event.encode() + b"\n" if self._event else b""
+        if self._data:
+            head += b"data: " + self._data[0] + b"\n"
+        return head + self._buf if self._buf else head
+
+    def clear(self) -> None:
+        """Drop the frame begun so far (`held_frame_start`'s caller took it whole)."""
+        self._buf.clear()
+        self._consumed = 0
+        self._event = ""
+        self._data = []
+
     @property
     def pending(self) -> int:
         """Raw bytes held for no completed event yet (the partial line and the lines taken since

@@ -256,3 +256,53 @@ def test_a_long_lf_line_in_many_chunks_is_copied_about_once(monkeypatch: pytest.
         events += parser.feed(stream[i : i + 4096])
     assert [(e.event, len(e.data)) for e in events] == [("x", 1 << 20), ("z", 1)]
     assert copied[0] <= 2 * len(stream)
+
+
+_LINES = st.sampled_from(
+    [
+        b"event: x.delta\n",
+        b"event:x.delta\n",
+        b"event: y\n",
+        b'data: {"a":1}\n',
+        b'data:{"a": 2}\n',
+        b"data:  spaced\n",
+        b": comment\n",
+        b"id: 7\n",
+        b"retry: 5\n",
+        b"event: x\r\n",
+        b"data: cr\r",
+        b"\n",
+    ]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_LINES, min_size=1, max_size=7), st.data())
+def test_a_held_frame_start_followed_by_the_rest_parses_as_what_was_fed(
+    lines: list[bytes], data: st.DataObject
+) -> None:
+    """`SSEParser.held_frame_start`: wherever a stream is cut, the frame begun so far written back
+    (when the parser says it can be) followed by the rest parses to the same events as the rest
+    fed to the parser that holds it (the stream fast path takes a held frame whole on this)."""
+    stream = b"".join(lines) + b"\n"
+    cut = data.draw(st.integers(0, len(stream)))
+    holder = SSEParser()
+    holder.feed(stream[:cut])
+    head = holder.held_frame_start()
+    if head is None:
+        assert len(holder._data) > 1 or b"\r" in bytes(holder._buf)
+        return
+    fresh = SSEParser()
+    rest = stream[cut:]
+    got = [(e.event, e.data) for e in fresh.feed(head + rest) + fresh.flush()]
+    want = [(e.event, e.data) for e in holder.feed(rest) + holder.flush()]
+    assert got == want
+
+
+def test_clear_drops_the_held_frame() -> None:
+    parser = SSEParser()
+    parser.feed(b"event: x\ndata: {")
+    assert parser.held_frame_start() == b"event: x\ndata: {" and parser.pending == len(b"event: x\ndata: {")
+    parser.clear()
+    assert parser.pending == 0 and parser.held_frame_start() == b""
+    assert [(e.event, e.data) for e in parser.feed(b"data: 1\n\n")] == [("message", b"1")]

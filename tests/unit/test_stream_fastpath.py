@@ -424,14 +424,34 @@ def test_a_text_said_to_hold_no_surrogate_decodes_to_none(text: str, encoding: s
         assert not may_hold_surrogate(data)  # raw UTF-8 with no surrogate passes (ASCII escapes may not)
 
 
+_PLAIN = _delta(1, "x" * 40)
+
+
 @pytest.mark.parametrize("inside", [1, 20, -1])  # in the event line, the data, before its blank line
 def test_a_read_that_begins_mid_frame_goes_fast_after_that_frame(inside: int) -> None:
-    """A read that begins inside a frame (over a network reads end anywhere): the rest of that
-    frame is taken the exact way, then the rest of the read goes fast again — not all of it the
-    exact way."""
+    """A read that begins inside a frame (over a network reads end anywhere): that frame, its
+    beginning as the parser holds it joined with its rest, is taken whole on the fast path, then
+    the rest of the read goes fast again — not all of it the exact way."""
     frames = [_delta(i) for i in range(40)]
     body = b"".join(frames) + _terminal(40)
     cut = sum(map(len, frames[:20])) + (inside if inside > 0 else len(frames[20]) + inside)
     out, outcome, runs = run_stream([body[:cut], body[cut:]], fast=True, limit=64 << 20)
     assert (out, outcome) == (body, "response.completed")
-    assert runs == 2  # frames 0-19 in the first read; 21-39 after frame 20 in the second
+    assert runs == 3  # frames 0-19 in the first read; frame 20 whole; 21-39 after it
+
+
+@pytest.mark.parametrize("frame", _IRREGULAR + _ALSO_REGULAR + _CONSERVATIVE + [_PLAIN])
+def test_a_frame_split_anywhere_across_reads_gives_the_exact_paths_bytes_and_outcome(frame: bytes) -> None:
+    """Every cut inside every kind of frame (and in the blank line after it): the frame held by
+    the parser and completed by the next read gives the same client bytes and outcome as the exact
+    path, whether it is taken whole on the fast path (`_FastPath.held`) or left to the exact one."""
+    head, tail = _delta(0), _delta(2) + _terminal(3)
+    body = head + _numbered(frame, 1) + tail
+    taken = 0
+    for cut in range(len(head) + 1, len(body) - len(tail) + 1):
+        reads = [body[:cut], body[cut:]]
+        fast = run_stream(reads, fast=True, limit=64 << 20)
+        assert fast[:2] == run_stream(reads, fast=False, limit=64 << 20)[:2], cut
+        taken += fast[2] == 3  # the delta before it, the frame whole, the rest of the read
+    if frame in _ALSO_REGULAR or frame == _PLAIN:
+        assert taken > 0  # regular: taken whole at some cut
