@@ -31,6 +31,7 @@ from middleware.upstream.fastpath import (
     stream_field_error,
 )
 from middleware.upstream.reader import UpstreamEvent, read_round
+from middleware.upstream.sse import SSEParser
 
 
 class _Response:
@@ -455,3 +456,28 @@ def test_a_frame_split_anywhere_across_reads_gives_the_exact_paths_bytes_and_out
         taken += fast[2] == 3  # the delta before it, the frame whole, the rest of the read
     if frame in _ALSO_REGULAR or frame == _PLAIN:
         assert taken > 0  # regular: taken whole at some cut
+
+
+def test_a_long_frame_over_many_reads_is_joined_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame spanning many reads (a 1 MiB ``output_text.done`` in 4 KiB reads) is written back
+    from the parser and joined with its rest once, when a read completes it — not at every read
+    (which copied the growing beginning each time: quadratic in the frame's size)."""
+    starts: list[int] = []
+    real = SSEParser.held_frame_start
+
+    def counted(self: SSEParser) -> bytes | None:
+        head = real(self)
+        starts.append(len(head or b""))
+        return head
+
+    monkeypatch.setattr(SSEParser, "held_frame_start", counted)
+    body = _delta(0) + _delta(1, "x" * (1 << 20)) + _delta(2) + _terminal(3)
+    reads = [body[at : at + 4096] for at in range(0, len(body), 4096)]
+    out, outcome, _ = run_stream(reads, fast=True, limit=256 << 20)
+    assert (out, outcome) == (body, "response.completed")
+    assert len(starts) <= 3  # at most one per frame a read ends inside
+    assert sum(starts) < 2 * len(body)
+    # under the reference model the 1 MiB frame's bound does not fit 256 MiB (its parse at 512
+    # bytes a byte): it goes the exact way without being copied and decoded first
+    assert not Ledger(256 << 20, model=ChargeModel.named("reference")).stream_read_fits(1 << 20, 1 << 20)
+    assert max(starts, default=0) < 1 << 19
