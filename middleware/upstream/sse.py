@@ -39,7 +39,7 @@ class SSEEvent:
 class SSEParser:
     """Stateful WHATWG event-stream parser; feed bytes, get `SSEEvent`s."""
 
-    __slots__ = ("_buf", "_consumed", "_data", "_event")
+    __slots__ = ("_buf", "_consumed", "_data", "_event", "_failed")
 
     def __init__(self) -> None:
         # The unfinished line (no line end inside it, but perhaps a trailing CR that may start a
@@ -49,6 +49,7 @@ class SSEParser:
         self._consumed = 0  # raw bytes of the lines taken since the last dispatched event
         self._event = ""
         self._data: list[bytes] = []
+        self._failed: SSEDecodeError | None = None  # raised by the next call (`feed`)
 
     @property
     def line_held(self) -> bool:
@@ -64,8 +65,9 @@ class SSEParser:
         (the lines taken are written back as their parse; comments, ``id:`` lines and other fields
         taken are dropped, as `encode_event` drops them), so the frame may be classified as a
         whole (the stream fast path: `middleware.upstream.fastpath.regular_prefix`). None when
-        it is not exact: more than one data line taken, or a CR held (CR line ends)."""
-        if len(self._data) > 1 or b"\r" in self._buf:
+        it is not exact: more than one data line taken, a CR held (CR line ends), or a failure
+        held back (`feed`)."""
+        if len(self._data) > 1 or b"\r" in self._buf or self._failed is not None:
             return None
         head = b"event: " + self._event.encode() + b"\n" if self._event else b""
         if self._data:
@@ -86,19 +88,34 @@ class SSEParser:
         return len(self._buf) + self._consumed
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        """Consume `chunk`; return the events it completes, in order. Raises SSEDecodeError."""
+        """Consume `chunk`; return the events it completes, in order. Raises SSEDecodeError —
+        after the events completed before the line at fault, when there are any: those are
+        returned, and the error is raised by the next `feed` or `flush`. So what is handed out
+        before a broken line does not depend on how the stream was split into chunks."""
+        if self._failed is not None:
+            raise self._failed
+        events: list[SSEEvent] = []
+        try:
+            self._feed(chunk, events)
+        except SSEDecodeError as exc:
+            if not events:
+                raise
+            self._failed = exc
+        return events
+
+    def _feed(self, chunk: bytes, events: list[SSEEvent]) -> None:
         buf = self._buf
         if b"\r" in chunk or buf.endswith(b"\r"):
-            return self._feed_lines(chunk)
+            self._feed_lines(chunk, events)
+            return
         scan_from = len(buf)
         buf += chunk
         if buf.find(b"\n", scan_from) < 0:  # no line completed: nothing copied, nothing scanned twice
-            return []
+            return
         # LF-only bytes: whole `event: ...` / `data: ...` frames are cut out at C speed; anything
         # else (comments, meta fields, multi-line data, a frame begun in an earlier chunk) goes
         # line by line through `_line`, exactly as `_feed_lines` would.
         data = bytes(buf)
-        events: list[SSEEvent] = []
         pos = 0
         blank = data.find(b"\n\n")
         while True:
@@ -136,27 +153,27 @@ class SSEParser:
             if 0 <= blank < pos:
                 blank = data.find(b"\n\n", pos)
         del buf[:pos]
-        return events
 
-    def _feed_lines(self, chunk: bytes) -> list[SSEEvent]:
+    def _feed_lines(self, chunk: bytes, events: list[SSEEvent]) -> None:
         """`feed` for bytes with CR line ends: every line end (LF, CR, CRLF) found by one regex."""
         buf = self._buf
         scan_from = max(len(buf) - 1, 0)  # a held CR may pair with the first new byte
         buf += chunk
         # A trailing CR may be the first half of a CRLF whose LF is in the next chunk: keep it.
         end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)
-        events: list[SSEEvent] = []
         pos = 0
         for match in _LINE_END.finditer(buf, scan_from, end):
             self._line(bytes(buf[pos : match.start()]), events, match.end() - pos)
             pos = match.end()
         if pos:
             del buf[:pos]
-        return events
 
     def flush(self) -> list[SSEEvent]:
         """End of stream: a held trailing CR ends its line (which may complete an event). An
-        event left without its blank line is discarded, as the spec says."""
+        event left without its blank line is discarded, as the spec says. Raises the
+        SSEDecodeError `feed` held back, if any."""
+        if self._failed is not None:
+            raise self._failed
         events: list[SSEEvent] = []
         if self._buf.endswith(b"\r"):
             line = bytes(self._buf[:-1])

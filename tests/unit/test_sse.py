@@ -198,7 +198,9 @@ class LinesOnly(SSEParser):
     """The reference: every byte through the line-by-line path (`_feed_lines`)."""
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        return self._feed_lines(chunk)
+        events: list[SSEEvent] = []
+        self._feed_lines(chunk, events)
+        return events
 
 
 LINES = [
@@ -306,3 +308,29 @@ def test_clear_drops_the_held_frame() -> None:
     parser.clear()
     assert parser.pending == 0 and parser.held_frame_start() == b""
     assert [(e.event, e.data) for e in parser.feed(b"data: 1\n\n")] == [("message", b"1")]
+
+
+@pytest.mark.parametrize("split", [0, 1, 20])
+def test_events_before_a_broken_line_are_handed_out_however_the_stream_was_split(split: int) -> None:
+    """An event name that is not UTF-8 fails the stream, but the events completed before it in
+    the same chunk are handed out first and the error comes with the next call: what a client
+    gets before the failure does not depend on where the upstream's reads ended (issue 21 attack:
+    the exact path sent nothing where the fast path, cutting the read at a frame, sent frame A)."""
+    good = b'event: x.d\ndata: {"a":1}\n\n'
+    bad = b'event: \xffx.d\ndata: {"a":2}\n\n'
+    stream = good + bad
+    parser = SSEParser()
+    got = parser.feed(stream[:split]) if split else []
+    got += parser.feed(stream[split:])
+    assert [(e.event, e.data) for e in got] == [("x.d", b'{"a":1}')]
+    assert parser.held_frame_start() is None  # nothing of a failed parser goes the fast way
+    with pytest.raises(SSEDecodeError, match="not valid UTF-8"):
+        parser.feed(b"data: 3\n\n")
+    with pytest.raises(SSEDecodeError):
+        parser.flush()
+
+
+@pytest.mark.parametrize("cr", [b"\n", b"\r\n"])
+def test_a_broken_line_first_in_a_chunk_still_raises_at_once(cr: bytes) -> None:
+    with pytest.raises(SSEDecodeError):
+        SSEParser().feed(b"event: \xff" + cr + b"data: 1" + cr + cr)

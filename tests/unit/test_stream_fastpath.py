@@ -128,6 +128,7 @@ _IRREGULAR: list[bytes] = [
     _frame("x.delta", b"[DONE]"),
     _frame("x.delta", b"not json"),
     _frame("bad name!", b'{"type":"bad name!","sequence_number":SEQ}'),
+    b'event: \xffx.delta\ndata: {"type":"x.delta","sequence_number":SEQ}\n\n',  # a name not UTF-8
     b"event: x.delta\r\ndata: {}\r\n\r\n",
     # other line shapes (the list-wise split checks lines in threes: event, data, blank)
     b'event: x.delta\ndata:{"type":"x.delta","sequence_number":SEQ}\n\n',
@@ -481,3 +482,18 @@ def test_a_long_frame_over_many_reads_is_joined_once(monkeypatch: pytest.MonkeyP
     # bytes a byte): it goes the exact way without being copied and decoded first
     assert not Ledger(256 << 20, model=ChargeModel.named("reference")).stream_read_fits(1 << 20, 1 << 20)
     assert max(starts, default=0) < 1 << 19
+
+
+@pytest.mark.parametrize("first", [0, 1, 7])
+def test_a_frame_before_a_broken_event_name_reaches_the_client_on_both_paths(first: int) -> None:
+    """The attack on issue 21's round 6: with the frames before a broken event name in the same
+    read, the exact path sent none of them while the fast path sent them; both now send them,
+    then fail the same way."""
+    good = _delta(0)
+    bad = b'event: \xffx.delta\ndata: {"type":"x.delta","sequence_number":1}\n\n'
+    body = good + bad
+    reads = [body[:first], body[first:]] if first else [body]
+    fast = run_stream(reads, fast=True, limit=64 << 20)
+    exact = run_stream(reads, fast=False, limit=64 << 20)
+    assert fast[:2] == exact[:2]
+    assert exact[0].startswith(good) and exact[1] == "UpstreamIncomplete:upstream_incomplete"
