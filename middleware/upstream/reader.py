@@ -92,6 +92,11 @@ def _finite_float(text: str) -> float:
 _UPSTREAM_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
+#: Byte order marks (UTF-8, UTF-16, UTF-32): a body that starts with one is not UTF-8 JSON
+#: (RFC 8259 §8.1: no byte order mark in JSON exchanged between systems).
+_BOMS: Final = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")
+
+
 def loads_upstream(data: bytes) -> Any:
     """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` and numbers out of the float range
     (``-1e400``, which ``float`` turns into ``-inf``) raise `UpstreamInvalid` (DESIGN.md §5: what
@@ -924,7 +929,9 @@ async def read_buffered_body(
                 # refused as what it is, not charged (its text would count as many JSON nodes)
                 if head[:1] != b"{":
                     raise UpstreamInvalid(
-                        f"upstream answered with a body that is not a JSON object: {head[:40]!r}"
+                        "upstream answered JSON in another encoding than UTF-8 (a byte order mark)"
+                        if head.startswith(_BOMS)
+                        else f"upstream answered with a body that is not a JSON object: {head[:40]!r}"
                     )
                 opened = True
             try:

@@ -80,7 +80,7 @@ def test_a_repeated_key_is_502_whatever_the_path(
     assert "repeats a key" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-32-le"])
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-32-le", "utf-16", "utf-32", "utf-8-sig"])  # BOMs too
 def test_a_body_in_another_encoding_than_utf8_is_502(upstream: MockUpstream, encoding: str) -> None:
     r = ask(upstream, body(True).decode().encode(encoding), max_retained_bytes=1 << 26)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_invalid_response"
