@@ -368,10 +368,14 @@ class _FastPath:
         The frames looked at per call are bounded (`_window`) once a look was mostly wasted (the
         consumer took few of them, say the stitcher refusing a gateway call's argument deltas), so
         a read of n such frames costs O(n × `FAST_WINDOW`), not O(n²); a run taken whole widens
-        the window again (×4)."""
-        wend = _frames_end_from(chunk, start, self._window)
-        block = chunk if start == 0 and wend == len(chunk) else chunk[start:wend]
-        found = regular_prefix(block, self._client.next_sequence, self._names, self._irregular)
+        the window again (×4). When the read's bound cannot fit even with no frame at all (the
+        widest frame only adds to it: a request close to its limit), nothing is classified."""
+        if self._ledger.stream_read_fits(len(chunk), 0):
+            wend = _frames_end_from(chunk, start, self._window)
+            block = chunk if start == 0 and wend == len(chunk) else chunk[start:wend]
+            found = regular_prefix(block, self._client.next_sequence, self._names, self._irregular)
+        else:  # `_forward` would refuse any run: the exact path takes the next frame
+            block, found = chunk, NOT_REGULAR
         end, count, widest, heads = found
         accept = self._fast.accept
         if count and accept is not None and (taken := accept(heads)) < count:

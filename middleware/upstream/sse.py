@@ -101,6 +101,7 @@ class SSEParser:
             if not events:
                 raise
             self._failed = exc
+            self.clear()  # nothing is held for the next call, which raises: `pending` is 0
         return events
 
     def _feed(self, chunk: bytes, events: list[SSEEvent]) -> None:

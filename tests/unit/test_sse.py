@@ -324,6 +324,7 @@ def test_events_before_a_broken_line_are_handed_out_however_the_stream_was_split
     got += parser.feed(stream[split:])
     assert [(e.event, e.data) for e in got] == [("x.d", b'{"a":1}')]
     assert parser.held_frame_start() is None  # nothing of a failed parser goes the fast way
+    assert parser.pending == 0  # nor is anything held (charged) for it
     with pytest.raises(SSEDecodeError, match="not valid UTF-8"):
         parser.feed(b"data: 3\n\n")
     with pytest.raises(SSEDecodeError):

@@ -497,3 +497,47 @@ def test_a_frame_before_a_broken_event_name_reaches_the_client_on_both_paths(fir
     exact = run_stream(reads, fast=False, limit=64 << 20)
     assert fast[:2] == exact[:2]
     assert exact[0].startswith(good) and exact[1] == "UpstreamIncomplete:upstream_incomplete"
+
+
+def test_a_read_whose_bound_cannot_fit_is_not_classified(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Close to the limit, where the read's one bound cannot fit even with no frame in it, the
+    fast path does not classify the read (work `_forward` would then refuse, done before the exact
+    path does it again): the stream goes the exact way, with its bytes and outcome."""
+    import middleware.upstream.reader as reader
+
+    looked: list[int] = []
+    real = reader.regular_prefix
+
+    def counted(block: bytes, *args: Any, **kwargs: Any) -> Any:
+        looked.append(len(block))
+        return real(block, *args, **kwargs)
+
+    monkeypatch.setattr(reader, "regular_prefix", counted)
+    body = b"".join(_delta(i, "x" * 2000) for i in range(20)) + _terminal(20)
+    limit = 102_144  # the least the exact path completes this stream with (reference model)
+    assert not Ledger(limit, model=ChargeModel.named("reference")).stream_read_fits(len(body), 0)
+    fast = run_stream([body], fast=True, limit=limit)
+    assert fast == (*run_stream([body], fast=False, limit=limit)[:2], 0)
+    assert fast[1] == "response.completed"
+    # only the read's last bytes, once what is left of it fits (every frame's rest before this)
+    assert sum(looked) < len(body) // 10, looked
+
+
+def test_a_broken_event_name_after_frames_fails_alike_under_a_tight_limit() -> None:
+    """Found by the property test above: the parser held back its failure but kept the whole read
+    as pending, which the exact path then charged (32 bytes a byte): a cap hit there, the decode
+    failure on the fast path. A failed parser holds nothing now."""
+    bad = b'event: \xffx.delta\ndata: {"type":"x.delta","sequence_number":3}\n\n'
+    body = (
+        _delta(0)
+        + _delta(1)
+        + b": a comment\n\n\n"
+        + bad
+        + b"\n"
+        + b"".join(_delta(4 + i, "x" * 300) for i in range(4))
+    )
+    fast = run_stream([body], fast=True, limit=65536, model="reference")
+    exact = run_stream([body], fast=False, limit=65536, model="reference")
+    assert fast[:2] == exact[:2]
+    assert exact[1] == "UpstreamIncomplete:upstream_incomplete"
+    assert exact[0] == _delta(0) + _delta(1)
