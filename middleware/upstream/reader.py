@@ -226,8 +226,6 @@ async def read_stream_events(
     timer = _KeepaliveTimer(client.keepalive, client.keepalive_interval, client.last_sent) if client else None
     idle = client.flush if client is not None else None
     path = _FastPath(ledger, client, fast) if fast is not None and client is not None else None
-    split = path.split if path is not None else None
-    held = path.held if path is not None else None
     try:
         while not reader.ended:
             if idle is not None:
@@ -235,13 +233,13 @@ async def read_stream_events(
             todo = await _next_read(chunks, timer, reader)
             at = 0  # where the rest of this read starts (offsets: the rest is never copied)
             while True:
-                if split is not None and at < len(todo) and not reader.parser.pending:
-                    segment, at = await split(todo, at)  # forwards the regular frames first
+                if path is not None and at < len(todo) and not reader.parser.pending:
+                    segment, at = await path.split(todo, at)  # forwards the regular frames first
                     if len(todo) > at > len(todo) // 2:  # drop what is done (copies O(read) in all)
                         todo, at = todo[at:], 0
-                elif split is not None and at < len(todo):  # a frame begun in an earlier read
+                elif path is not None and at < len(todo):  # a frame begun in an earlier read
                     end = _held_frame_end(todo, at, reader.parser)  # its rest completes it, then fast
-                    if held is not None and await held(todo, at, end, reader):
+                    if await path.held(todo, at, end, reader):
                         segment, at = b"", end  # taken whole: forwarded, the parser cleared
                     else:
                         segment, at = (todo[at:end] if at or end < len(todo) else todo), end
@@ -992,11 +990,11 @@ async def read_response_object(
     meaning would depend on the client's parser: DESIGN.md §5, as for a streamed frame).
     """
     body, body_charge, features = await read_buffered_body(response, ledger)
-    if json.detect_encoding(body) != "utf-8":
-        raise UpstreamInvalid("upstream answered JSON in another encoding than UTF-8")
     try:
-        parsed = loads_upstream(body)
+        parsed = loads_upstream(body)  # UTF-8 only: UTF-16 / UTF-32 text (NULs, a BOM) is not JSON there
     except (ValueError, RecursionError):
+        if json.detect_encoding(body) != "utf-8":  # only to say so: what was refused is refused
+            raise UpstreamInvalid("upstream answered JSON in another encoding than UTF-8") from None
         raise UpstreamInvalid("upstream answered with a body that is not JSON") from None
     if not isinstance(parsed, dict):
         raise UpstreamInvalid("upstream answered with JSON that is not a response object")
