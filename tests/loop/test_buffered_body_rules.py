@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from middleware.loop.echo import ECHO_DEFAULTS
 from tests.helpers import gateway, message_item, response_obj
 from tests.mock_upstream import MockUpstream, Reply
 
@@ -43,6 +44,12 @@ COMPLETE = {  # every echo field an upstream may send: the body goes out as it c
     "error": None,
     "usage": None,
 }
+
+
+def test_complete_holds_every_echo_field() -> None:
+    """`COMPLETE` is written out (an upstream's literal body), so it is held to the echo fields the
+    gateway fills: a new one would otherwise turn the "as it came" cases into insert cases."""
+    assert COMPLETE.keys() >= ECHO_DEFAULTS.keys()
 
 
 def body(complete: bool, text: str = "ok") -> bytes:
