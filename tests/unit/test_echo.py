@@ -100,3 +100,23 @@ def test_the_validator_rejects_what_the_gateway_used_to_emit() -> None:
     good_call = {**bad_call, "server_label": "tools"}
     assert spec_schema.errors("ItemField", good_call) == []
     assert spec_schema.errors("HttpErrorEnvelope", {"error": {"message": "m"}})
+
+
+def test_filled_defaults_share_no_container_with_the_defaults() -> None:
+    """A default filled in is a fresh copy: a later edit of one response's ``text`` or
+    ``metadata`` (the stitcher, the store) changes neither the defaults nor another response."""
+    pristine = {
+        field: copy.deepcopy(value) if isinstance(value, dict | list) else value
+        for field, value in ECHO_DEFAULTS.items()
+    }
+    first, second = copy.deepcopy(MINIMAL), copy.deepcopy(MINIMAL)
+    normalise_response(first, {"model": "m"})
+    first["text"]["format"]["type"] = "json_object"
+    first["text"]["verbosity"] = "low"
+    first["metadata"]["k"] = "v"
+    normalise_response(second, {"model": "m"})
+    assert pristine == ECHO_DEFAULTS
+    assert (second["text"], second["metadata"]) == ({"format": {"type": "text"}}, {})
+    for field, value in ECHO_DEFAULTS.items():  # every container default, compared by identity
+        if isinstance(value, dict | list):
+            assert second[field] == value and second[field] is not value, field
