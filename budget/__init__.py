@@ -20,7 +20,7 @@ from .errors import (
     PoolExhausted,
 )
 from .features import JsonFeatures
-from .jsonstrict import loads_strict, locate_invalid
+from .jsonstrict import key_total, loads_strict, locate_invalid, msgspec_may_decode
 from .ledger import ChargePool, Ledger
 from .limits import Limits
 from .model import ChargeModel, ParsePrices
@@ -45,6 +45,8 @@ __all__ = [
     "PoolExhausted",
     "count_json_nodes",
     "json_features",
+    "key_total",
     "loads_strict",
     "locate_invalid",
+    "msgspec_may_decode",
 ]

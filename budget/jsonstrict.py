@@ -36,10 +36,12 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Final, NoReturn
 
+import msgspec
+
 from .errors import JsonInvalid, JsonTooDeep
 from .nodes import DEFAULT_MAX_DEPTH, JsonNodeCounter
 
-__all__ = ["loads_strict", "locate_invalid"]
+__all__ = ["key_total", "loads_strict", "locate_invalid", "msgspec_may_decode"]
 
 _H2: Final = rb"[0-9a-fA-F]{2}"
 # A lone surrogate escape, or an escaped backslash before surrogate-like text (which can turn a
@@ -198,15 +200,99 @@ def _lone_surrogate(value: object) -> tuple[tuple[PathPart, ...], str] | None:
     return None
 
 
-def loads_strict(data: bytes | bytearray | memoryview) -> object:
+def key_total(value: Any) -> int:
+    """The number of keys in every object of a decoded JSON value (distinct keys: a decoder keeps
+    the last of a repeated one). Walks the containers; raises nothing."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            total += len(item)
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+    return total
+
+
+#: The first decoder of `loads_strict` (plain JSON values; strict: no NaN, no trailing bytes).
+_FIRST: Final = msgspec.json.Decoder()
+#: Nesting a text may provably have for msgspec to decode it first: its own recursion limit is a
+#: few levels above ``json.loads``', so deeper text goes to ``json.loads`` alone.
+_FIRST_DEPTH: Final = 256
+#: A string token (key or value) of one ASCII character, raw or a two-byte escape (``"x"``,
+#: ``"\n"``): its opening quote where a token may start (after ``[ { , :`` or whitespace), its
+#: closing quote where one may end (before ``, : ] }`` or whitespace). ``json.loads`` returns
+#: CPython's shared one-character strings for them, which the charge model prices at nothing
+#: (`JsonFeatures.string_bytes`); msgspec allocates a new ``str`` for each (50 bytes: a 1 MiB
+#: ``["x","x",...]`` peaks at 15.4 MB, ``json.loads`` at 3.4 MB). Matching more than such tokens
+#: (``"a "," b"``: a string ending and the next starting with a space) only sends a text to
+#: ``json.loads``.
+_ONE_ASCII_CHAR: Final = re.compile(rb'"(?<=[\[{,:\s]")(?:[^"\\\x80-\xff]|\\[^u])"(?=[,:\]}\s])')
+
+
+def msgspec_may_decode(raw: bytes, *, depth_checked: bool = False) -> bool:
+    """Whether msgspec may decode the JSON text `raw` in ``json.loads``' place: where it accepts
+    the text, its value is the one ``json.loads`` returns (a differential property test,
+    tests/unit/test_loads_upstream.py), and its memory is at most what the charge model prices
+    for ``json.loads`` (it makes no ``str`` copy of the text; measured shape by shape in the same
+    test) unless the text holds one-character ASCII strings (`_ONE_ASCII_CHAR`) or is one string.
+    Its nesting must be provably at most 256 levels: `depth_checked` (the caller's counter capped
+    it), a text of at most 512 bytes, or at most 256 ``[`` and ``{`` bytes. Pure; raises nothing.
+    Cost: one regex scan, ~2 ns a byte where strings are dense, less in long strings."""
+    if not (
+        depth_checked or len(raw) <= 2 * _FIRST_DEPTH or raw.count(b"[") + raw.count(b"{") <= _FIRST_DEPTH
+    ):
+        return False
+    return raw.lstrip()[:1] != b'"' and _ONE_ASCII_CHAR.search(raw) is None
+
+
+def _first_decode(raw: bytes, members: int | None, depth_checked: bool) -> tuple[bool, object]:
+    """``(True, value)`` when msgspec may decode `raw` (`msgspec_may_decode`), does, and the value
+    provably repeats no key, else ``(False, None)``: the exact path decides (`loads_strict`)."""
+    if not msgspec_may_decode(raw, depth_checked=depth_checked):
+        return False, None
+    try:
+        value = _FIRST.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return False, None
+    keys = key_total(value)
+    # each key written is one ":" outside strings (`members`); without that count, every ":"
+    # (those inside strings too) is at least the keys written: equal to the distinct keys, none
+    # was repeated
+    if keys == (members if members is not None else raw.count(b":")):
+        return True, value
+    return False, None
+
+
+def loads_strict(
+    data: bytes | bytearray | memoryview, *, members: int | None = None, depth_checked: bool = False
+) -> object:
     """Parse a UTF-8 JSON payload strictly; return the value (any JSON type).
 
     Raises `JsonInvalid` with ``code`` ``invalid_json``, ``duplicate_key``, ``invalid_unicode`` or
     ``invalid_number`` (see the module docstring) and `JsonTooDeep` if the interpreter's recursion
     limit is hit. When several problems exist, syntax and number errors win over duplicate keys,
     which win over lone surrogates.
+
+    msgspec decodes first where it may (`msgspec_may_decode`: no one-character ASCII string,
+    nesting provably at most 256 levels; no ``str`` copy of the text, no Python hook per
+    object): what it accepts, ``json.loads`` accepts with the same value, and what it refuses (syntax, ``NaN``,
+    numbers out of range or too long, lone surrogates, bytes that are not UTF-8) goes to the
+    ``json.loads`` path below, which gives the verdict and its message (a differential property
+    test: tests/unit/test_loads_upstream.py). Its value is kept only when it provably repeats no
+    key: `members` — the ``:`` bytes outside strings, `JsonFeatures.members`, when the caller
+    counted them — or else every ``:`` of the text equals the distinct keys (`key_total`); else
+    the exact path finds the repeat. `depth_checked`: the caller capped the depth (the intake's
+    counter does).
     """
     raw = data if isinstance(data, bytes) else bytes(data)
+    done, value = _first_decode(raw, members, depth_checked)
+    return value if done else _loads_exact(raw)
+
+
+def _loads_exact(raw: bytes) -> object:
+    """`loads_strict` by ``json.loads`` with its hooks: the verdicts and their messages."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

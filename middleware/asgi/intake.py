@@ -179,7 +179,7 @@ class Intake:
             raise InvalidRequest(str(exc), code="json_too_deep") from None
         nodes = counter.nodes
         ledger = self._admit_body(limits, raw, nodes, features, permissive, store=False)
-        request = self._parse(raw)
+        request = self._parse(raw, features)
         turn = turn_of(self.scope)
         if turn is not None:  # a WebSocket response.create message (middleware.asgi.wsturn)
             request = turn.prepare(request)
@@ -241,11 +241,14 @@ class Intake:
             ) from None
 
     @staticmethod
-    def _parse(raw: bytes) -> dict[str, Any]:
-        """The body as a JSON object (`loads_strict`); raises `InvalidRequest` (400) naming where
-        it is invalid, or when it is not an object."""
+    def _parse(raw: bytes, features: JsonFeatures | None) -> dict[str, Any]:
+        """The body as a JSON object (`loads_strict`: its depth was capped by the intake's counter,
+        its ``:`` outside strings counted in `features` when the charge model counts them);
+        raises `InvalidRequest` (400) naming where it is invalid, or when it is not an object."""
         try:
-            request = loads_strict(raw)
+            request = loads_strict(
+                raw, members=features.members if features is not None else None, depth_checked=True
+            )
         except JsonInvalid as exc:
             raise InvalidRequest(
                 exc.message, code=exc.code, param=exc.param or locate_invalid(raw, exc.code)

@@ -34,6 +34,8 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from budget import key_total
+
 #: What may be written into an ``event:`` line (`middleware.upstream.reader.EVENT_TYPE`).
 EVENT_TYPE: Final = re.compile(rb"[A-Za-z0-9_.:-]{1,128}")
 #: Event types never forwarded as received: in-band errors, and the lifecycle and terminal
@@ -130,21 +132,6 @@ def may_hold_surrogate(data: bytes) -> bool:
     if _BACKSLASH in data and _SURROGATE.search(data) is not None:
         return True
     return not data.isascii() and _RAW_SURROGATE.search(data) is not None
-
-
-def key_total(value: Any) -> int:
-    """The number of keys in every object of a decoded JSON value (distinct keys: a decoder keeps
-    the last of a repeated one). Walks the containers; raises nothing."""
-    total = 0
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if type(item) is dict:
-            total += len(item)
-            stack.extend(item.values())
-        elif type(item) is list:
-            stack.extend(item)
-    return total
 
 
 def no_duplicate_keys(data: bytes, obj: Any) -> bool:

@@ -27,7 +27,18 @@ import re
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
-from budget import BudgetExceeded, JsonFeatures, JsonNodeCounter, JsonTooDeep, Ledger, PoolExhausted
+import msgspec
+
+from budget import (
+    BudgetExceeded,
+    JsonFeatures,
+    JsonNodeCounter,
+    JsonTooDeep,
+    Ledger,
+    PoolExhausted,
+    key_total,
+    msgspec_may_decode,
+)
 from middleware.upstream.errors import (
     UpstreamBodyTooLarge,
     UpstreamIncomplete,
@@ -39,7 +50,6 @@ from middleware.upstream.fastpath import (
     NOT_REGULAR,
     STITCHED_IRREGULAR_TYPES,
     frames_end,
-    key_total,
     may_hold_surrogate,
     no_duplicate_keys,
     regular_prefix,
@@ -97,7 +107,7 @@ _UPSTREAM_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, par
 _BOMS: Final = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")
 
 
-def loads_upstream(data: bytes) -> Any:
+def loads_upstream(data: bytes, *, depth_checked: bool = False) -> Any:
     """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` and numbers out of the float range
     (``-1e400``, which ``float`` turns into ``-inf``) raise `UpstreamInvalid` (DESIGN.md §5: what
     cannot be re-encoded as JSON is 502 ``upstream_invalid_response``). The bytes must be UTF-8
@@ -105,8 +115,24 @@ def loads_upstream(data: bytes) -> Any:
     ``surrogatepass`` as ``json.loads`` does, so raw surrogate bytes reach the lone-surrogate
     check: `UnicodeDecodeError` for bytes that are not UTF-8 — ``json.loads`` would read UTF-16
     or UTF-32 as well, and the pass-through forwards a frame's or a body's bytes as they came —
-    `ValueError` (`json.JSONDecodeError`) for text that is not JSON (a byte order mark included)."""
+    `ValueError` (`json.JSONDecodeError`) for text that is not JSON (a byte order mark included).
+
+    msgspec decodes first where it may (`budget.msgspec_may_decode`: the same value as
+    ``json.loads``, no more memory than priced for it, nesting provably at most 256 levels —
+    `depth_checked`: the caller counted it, `read_buffered_body`), 2-3 × faster: no ``str`` copy
+    of the text, no Python hooks. Anything it refuses — ``NaN``, lone surrogates, numbers out of
+    range, invalid UTF-8 — goes to ``json.loads``, whose verdict and message stand. The parse
+    peak priced (`budget.calibrate`) is the worse of the two."""
+    if msgspec_may_decode(data, depth_checked=depth_checked):
+        try:
+            return _FIRST_DECODER.decode(data)
+        except (msgspec.DecodeError, RecursionError):
+            pass  # json.loads gives the verdict (and the message) for what msgspec refuses
     return _UPSTREAM_DECODER.decode(data.decode("utf-8", "surrogatepass"))
+
+
+#: `loads_upstream`'s first decoder (plain JSON values; strict: no NaN, no trailing bytes).
+_FIRST_DECODER: Final = msgspec.json.Decoder()
 
 
 class _RepeatedKey(Exception):
@@ -991,7 +1017,9 @@ async def read_response_object(
     """
     body, body_charge, features = await read_buffered_body(response, ledger)
     try:
-        parsed = loads_upstream(body)  # UTF-8 only: UTF-16 / UTF-32 text (NULs, a BOM) is not JSON there
+        parsed = loads_upstream(
+            body, depth_checked=True
+        )  # UTF-8 only: UTF-16 / UTF-32 text (NULs, a BOM) is not JSON there
     except (ValueError, RecursionError):
         if json.detect_encoding(body) != "utf-8":  # only to say so: what was refused is refused
             raise UpstreamInvalid("upstream answered JSON in another encoding than UTF-8") from None

@@ -118,7 +118,7 @@ class ChatResponse:
         body, charge, _features = await read_buffered_body(self._inner, self._ledger)
         try:
             try:
-                parsed = loads_upstream(body)
+                parsed = loads_upstream(body, depth_checked=True)  # read_buffered_body capped its depth
             except (ValueError, RecursionError):
                 raise reply_failure("invalid_completion") from None
             completion = completion_from_body(parsed, self._dialect)
