@@ -202,16 +202,29 @@ def _lone_surrogate(value: object) -> tuple[tuple[PathPart, ...], str] | None:
 
 def key_total(value: Any) -> int:
     """The number of keys in every object of a decoded JSON value (distinct keys: a decoder keeps
-    the last of a repeated one). Walks the containers; raises nothing."""
-    total = 0
-    stack = [value]
+    the last of a repeated one). Walks the containers depth first with one iterator per level,
+    so what it holds while it walks is O(depth), not O(nodes) (a stack of the values was 4 MB
+    for a 1 MiB array of ``0``, more than msgspec's parse saves). Raises nothing."""
+    kind = type(value)
+    if kind is dict:
+        total, level = len(value), iter(value.values())
+    elif kind is list:
+        total, level = 0, iter(value)
+    else:
+        return 0
+    stack = [level]
     while stack:
-        item = stack.pop()
-        if type(item) is dict:
-            total += len(item)
-            stack.extend(item.values())
-        elif type(item) is list:
-            stack.extend(item)
+        for item in stack[-1]:
+            kind = type(item)
+            if kind is dict:
+                total += len(item)
+                stack.append(iter(item.values()))
+                break
+            if kind is list:
+                stack.append(iter(item))
+                break
+        else:
+            stack.pop()
     return total
 
 

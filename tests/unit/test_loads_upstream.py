@@ -276,12 +276,14 @@ def _peak(call: Any, data: bytes) -> int:
         {"output": [{"type": "message", "content": [{"text": "word " * 4000}]}]},
         {"output": [{"text": "é" * 5000, "nn": list(range(2000))}]},
         {"items": [{"id": f"i{i}", "xx": 1.5, "ok": True, "kk": None} for i in range(1500)]},
-        {
-            "items": [{"long_key_" * 5 + str(i % 3000): [i, "ab"]} for i in range(3000)]
-        },  # keys msgspec cannot cache
-        {
-            "output": [{"text": "\U0001f600" * 3000}]
-        },  # a UCS-4 text: json.loads' str copy is 4 bytes a character
+        # keys msgspec cannot cache
+        {"items": [{"long_key_" * 5 + str(i % 3000): [i, "ab"]} for i in range(3000)]},
+        # a UCS-4 text: json.loads' str copy is 4 bytes a character
+        {"output": [{"text": "\U0001f600" * 3000}]},
+        # dense small values: loads_strict's duplicate-key walk must hold O(depth), not O(nodes)
+        {"ab": [0] * 200_000},
+        {"ab": [True] * 200_000},
+        {"ab": [[] for _ in range(100_000)]},
     ],
 )
 def test_the_parse_peak_is_at_most_json_loads_which_is_what_is_priced(value: Any) -> None:
@@ -400,3 +402,21 @@ def test_a_text_with_a_one_character_string_never_takes_msgspecs_route(
         return
     if _one_char_strings(value):
         assert not msgspec_may_decode(data, depth_checked=True), data[:200]
+
+
+def test_the_key_walk_holds_no_more_than_its_depth() -> None:
+    """`key_total` runs while the parsed value is alive (loads_strict's duplicate-key proof, the
+    buffered body's repeated-key check): what it holds must not grow with the value's nodes."""
+    from budget import key_total
+
+    value = {"ab": [0] * 500_000, "cd": [{"e": [{"f": 1}]}] * 1000, "g": {"h": [[[]]]}}
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        assert key_total(value) == 3 + 2 * 1000 + 1
+        assert tracemalloc.get_traced_memory()[1] - base < 4096
+    finally:
+        tracemalloc.stop()
+    assert key_total([]) == key_total(0) == key_total("a") == 0
+    assert key_total([{"a": 1, "b": {"c": [{"d": 2}, {}]}}, [[{"e": None}]]]) == 5
