@@ -20,7 +20,7 @@ from .errors import (
     PoolExhausted,
 )
 from .features import JsonFeatures
-from .jsonstrict import key_total, loads_strict, locate_invalid, msgspec_may_decode
+from .jsonstrict import decode_first, key_total, loads_strict, locate_invalid, msgspec_may_decode
 from .ledger import ChargePool, Ledger
 from .limits import Limits
 from .model import ChargeModel, ParsePrices
@@ -44,6 +44,7 @@ __all__ = [
     "Phase",
     "PoolExhausted",
     "count_json_nodes",
+    "decode_first",
     "json_features",
     "key_total",
     "loads_strict",

@@ -30,7 +30,7 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .jsonstrict import _FIRST, _loads_exact, loads_strict, msgspec_may_decode
+from .jsonstrict import _loads_exact, decode_first, loads_strict
 from .model import ChargeModel
 from .nodes import count_json_nodes, json_features
 
@@ -288,10 +288,10 @@ def _output_pipeline(raw: bytes, store: bool, *, first: bool = False) -> object:
     chunks = [bytes(bytearray(raw[:half])), bytes(bytearray(raw[half:]))]  # as read
     body = b"".join(chunks)
     # middleware.upstream.reader.loads_upstream's routes: json.loads (any body may take it), or
-    # (``first``) msgspec where it may (`msgspec_may_decode`; the caller counted the depth)
-    value = (
-        _FIRST.decode(body) if first and msgspec_may_decode(body, depth_checked=True) else json.loads(body)
-    )
+    # (``first``) msgspec where it may (`decode_first`; the caller counted the depth)
+    done, value = decode_first(body, depth_checked=True) if first else (False, None)
+    if not done:
+        value = json.loads(body)
     return chunks, body, value  # what it keeps and encodes later is the accumulated / terminal charge
 
 
@@ -302,7 +302,7 @@ def pipeline_peak(raw: bytes, owner: str = "input", store: bool = False, repeat:
     persisted projection; for ``"output"`` a buffered upstream body read in two chunks, joined
     and parsed (its encoding for the client is the terminal charge's). The least of
     ``repeat`` runs, for the worse of the two parse routes (``json.loads``, which any body may
-    take, and msgspec where `msgspec_may_decode`). What the measured model's
+    take, and msgspec where `decode_first` may). What the measured model's
     soundness (charge ≥ this) and tightness (charge ≤ 2 × this) are tested against."""
     run_it = _input_pipeline if owner == "input" else _output_pipeline
     worst = 1
@@ -312,9 +312,8 @@ def pipeline_peak(raw: bytes, owner: str = "input", store: bool = False, repeat:
     try:
         for first in (False, True):  # both parse routes: the worse is the peak
             peaks = []
-            run_it(
-                b'{"warm":["caches",1,2.5,true]}', store, first=first
-            )  # interned names, outside the window
+            # interned names, outside the window
+            run_it(b'{"warm":["caches",1,2.5,true]}', store, first=first)
             gc.collect(0)  # young objects only: a full collection per call is too slow in a test run
             for _ in range(repeat):  # the least of a few runs: a stray allocation only adds
                 gc.disable()

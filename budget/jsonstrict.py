@@ -41,7 +41,7 @@ import msgspec
 from .errors import JsonInvalid, JsonTooDeep
 from .nodes import DEFAULT_MAX_DEPTH, JsonNodeCounter
 
-__all__ = ["key_total", "loads_strict", "locate_invalid", "msgspec_may_decode"]
+__all__ = ["decode_first", "key_total", "loads_strict", "locate_invalid", "msgspec_may_decode"]
 
 _H2: Final = rb"[0-9a-fA-F]{2}"
 # A lone surrogate escape, or an escaped backslash before surrogate-like text (which can turn a
@@ -260,20 +260,30 @@ def msgspec_may_decode(raw: bytes, *, depth_checked: bool = False) -> bool:
     return raw.lstrip()[:1] != b'"' and _ONE_ASCII_CHAR.search(raw) is None
 
 
-def _first_decode(raw: bytes, members: int | None, depth_checked: bool) -> tuple[bool, object]:
-    """``(True, value)`` when msgspec may decode `raw` (`msgspec_may_decode`), does, and the value
-    provably repeats no key, else ``(False, None)``: the exact path decides (`loads_strict`)."""
+def decode_first(raw: bytes, *, depth_checked: bool = False) -> tuple[bool, Any]:
+    """msgspec's decode of the JSON text `raw` where it may stand in for ``json.loads``
+    (`msgspec_may_decode`): ``(True, value)``, the value ``json.loads`` would return (dicts,
+    lists, ``str``, ``int``, ``float``, ``bool``, None; a repeated key keeps its last value, as
+    there). ``(False, None)`` when it may not or refuses the text (syntax, ``NaN``, lone
+    surrogates, numbers out of range, bytes that are not UTF-8): the caller's ``json.loads`` path
+    gives the verdict and its message. Raises nothing. The one first route of `loads_strict`,
+    ``middleware.upstream.reader.loads_upstream`` and `budget.calibrate`'s pipelines."""
     if not msgspec_may_decode(raw, depth_checked=depth_checked):
         return False, None
     try:
-        value = _FIRST.decode(raw)
+        return True, _FIRST.decode(raw)
     except (msgspec.DecodeError, RecursionError):
         return False, None
-    keys = key_total(value)
+
+
+def _first_decode(raw: bytes, members: int | None, depth_checked: bool) -> tuple[bool, object]:
+    """`decode_first`, kept only when the value provably repeats no key, else ``(False, None)``:
+    the exact path decides (`loads_strict`)."""
+    done, value = decode_first(raw, depth_checked=depth_checked)
     # each key written is one ":" outside strings (`members`); without that count, every ":"
     # (those inside strings too) is at least the keys written: equal to the distinct keys, none
     # was repeated
-    if keys == (members if members is not None else raw.count(b":")):
+    if done and key_total(value) == (members if members is not None else raw.count(b":")):
         return True, value
     return False, None
 
@@ -288,16 +298,14 @@ def loads_strict(
     limit is hit. When several problems exist, syntax and number errors win over duplicate keys,
     which win over lone surrogates.
 
-    msgspec decodes first where it may (`msgspec_may_decode`: no one-character ASCII string,
+    msgspec decodes first where it may (`decode_first`: no one-character ASCII string,
     nesting provably at most 256 levels; no ``str`` copy of the text, no Python hook per
-    object): what it accepts, ``json.loads`` accepts with the same value, and what it refuses (syntax, ``NaN``,
-    numbers out of range or too long, lone surrogates, bytes that are not UTF-8) goes to the
-    ``json.loads`` path below, which gives the verdict and its message (a differential property
-    test: tests/unit/test_loads_upstream.py). Its value is kept only when it provably repeats no
-    key: `members` — the ``:`` bytes outside strings, `JsonFeatures.members`, when the caller
-    counted them — or else every ``:`` of the text equals the distinct keys (`key_total`); else
-    the exact path finds the repeat. `depth_checked`: the caller capped the depth (the intake's
-    counter does).
+    object); what it refuses goes to the ``json.loads`` path below, which gives the verdict and
+    its message (a differential property test: tests/unit/test_loads_upstream.py). Its value is
+    kept only when it provably repeats no key: `members` — the ``:`` bytes outside strings,
+    `JsonFeatures.members`, when the caller counted them — or else every ``:`` of the text
+    equals the distinct keys (`key_total`); else the exact path finds the repeat.
+    `depth_checked`: the caller capped the depth (the intake's counter does).
     """
     raw = data if isinstance(data, bytes) else bytes(data)
     done, value = _first_decode(raw, members, depth_checked)

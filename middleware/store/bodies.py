@@ -92,9 +92,9 @@ async def read_json_body(request: Request, read: StoreRead, max_bytes: int) -> d
     if not raw.strip():
         return {}
     try:
-        value = loads_strict(
-            raw, members=features.members if features is not None else None, depth_checked=True
-        )  # (its depth capped by the counter above)
+        # its depth capped by the counter above, its ":" outside strings counted in `features`
+        members = features.members if features is not None else None
+        value = loads_strict(raw, members=members, depth_checked=True)
     except JsonRejected as exc:
         raise InvalidRequest(exc.message, code=exc.code, param=exc.param) from None
     if not isinstance(value, dict):

@@ -27,8 +27,6 @@ import re
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
-import msgspec
-
 from budget import (
     BudgetExceeded,
     JsonFeatures,
@@ -36,8 +34,8 @@ from budget import (
     JsonTooDeep,
     Ledger,
     PoolExhausted,
+    decode_first,
     key_total,
-    msgspec_may_decode,
 )
 from middleware.upstream.errors import (
     UpstreamBodyTooLarge,
@@ -117,22 +115,14 @@ def loads_upstream(data: bytes, *, depth_checked: bool = False) -> Any:
     or UTF-32 as well, and the pass-through forwards a frame's or a body's bytes as they came —
     `ValueError` (`json.JSONDecodeError`) for text that is not JSON (a byte order mark included).
 
-    msgspec decodes first where it may (`budget.msgspec_may_decode`: the same value as
+    msgspec decodes first where it may (`budget.decode_first`: the same value as
     ``json.loads``, no more memory than priced for it, nesting provably at most 256 levels —
     `depth_checked`: the caller counted it, `read_buffered_body`), 2-3 × faster: no ``str`` copy
     of the text, no Python hooks. Anything it refuses — ``NaN``, lone surrogates, numbers out of
     range, invalid UTF-8 — goes to ``json.loads``, whose verdict and message stand. The parse
     peak priced (`budget.calibrate`) is the worse of the two."""
-    if msgspec_may_decode(data, depth_checked=depth_checked):
-        try:
-            return _FIRST_DECODER.decode(data)
-        except (msgspec.DecodeError, RecursionError):
-            pass  # json.loads gives the verdict (and the message) for what msgspec refuses
-    return _UPSTREAM_DECODER.decode(data.decode("utf-8", "surrogatepass"))
-
-
-#: `loads_upstream`'s first decoder (plain JSON values; strict: no NaN, no trailing bytes).
-_FIRST_DECODER: Final = msgspec.json.Decoder()
+    done, value = decode_first(data, depth_checked=depth_checked)
+    return value if done else _UPSTREAM_DECODER.decode(data.decode("utf-8", "surrogatepass"))
 
 
 class _RepeatedKey(Exception):
@@ -1017,9 +1007,8 @@ async def read_response_object(
     """
     body, body_charge, features = await read_buffered_body(response, ledger)
     try:
-        parsed = loads_upstream(
-            body, depth_checked=True
-        )  # UTF-8 only: UTF-16 / UTF-32 text (NULs, a BOM) is not JSON there
+        # UTF-8 only: UTF-16 / UTF-32 text (NULs, a BOM) is not JSON there; its depth was capped
+        parsed = loads_upstream(body, depth_checked=True)
     except (ValueError, RecursionError):
         if json.detect_encoding(body) != "utf-8":  # only to say so: what was refused is refused
             raise UpstreamInvalid("upstream answered JSON in another encoding than UTF-8") from None

@@ -329,7 +329,7 @@ def test_one_character_strings_are_left_to_json_loads(token: bytes) -> None:
     assert not msgspec_may_decode(data, depth_checked=True)
     ours = max(_peak(lambda text: loads_upstream(text, depth_checked=True), data) for _ in range(2))
     assert ours <= 1.05 * min(_peak(reference, data) for _ in range(2))
-    assert msgspec_may_decode(b'{"ab":"cd","u":"\\u0041"}'.replace(b'"u"', b'"uu"'))  # \u escapes: shared
+    assert msgspec_may_decode(b'{"ab":"cd","uu":"\\u0041"}')  # a \u escape: msgspec shares it too
 
 
 def _array(token: bytes, size: int = 256 * 1024) -> bytes:
