@@ -3,9 +3,9 @@
 Run ``python -m budget.calibrate`` (``--size BYTES`` per payload, default 1 MiB). For each shape
 in `SHAPES` — the pathological ones (``[{},{},…]``, ``[[],[],…]``, one-character strings, long
 strings in the worst string representation, floats, big ints, nesting to the cap) and a
-Responses-shaped body — it parses the payload with ``json.loads`` (and ``orjson.loads`` when
-installed) under `tracemalloc`, and records retained bytes (what the parsed value keeps alive)
-and the peak during parsing. From those it fits, per parser and then the worse of the two:
+Responses-shaped body — it parses the payload with ``json.loads``, msgspec (and ``orjson.loads``
+when installed) under `tracemalloc`, and records retained bytes (what the parsed value keeps alive)
+and the peak during parsing. From those it fits, per parser and then the worst of them:
 
 * ``a`` — retained bytes per wire byte: the largest ratio over string-dominated shapes;
 * ``b`` — retained bytes per node: the largest ``(retained - a*len) / nodes`` over all shapes;
@@ -29,6 +29,8 @@ import sys
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgspec
 
 from .jsonstrict import _loads_exact, decode_first, loads_strict
 from .model import ChargeModel
@@ -217,8 +219,10 @@ class Measurement:
 
 
 def parsers() -> dict[str, Parser]:
-    """The parsers to measure: ``json.loads``, and ``orjson.loads`` when installed."""
-    found: dict[str, Parser] = {"json.loads": json.loads}
+    """The parsers to measure: ``json.loads``, msgspec's decode (the gateway's first route,
+    `budget.decode_first`: an SSE frame's size-only charge must cover it with no condition on
+    its strings) and ``orjson.loads`` when installed."""
+    found: dict[str, Parser] = {"json.loads": json.loads, "msgspec": msgspec.json.decode}
     try:
         import orjson
     except ImportError:  # pragma: no cover - orjson is a test dependency

@@ -244,31 +244,35 @@ _FIRST_DEPTH: Final = 256
 _ONE_ASCII_CHAR: Final = re.compile(rb'"(?<=[\[{,:\s]")(?:[^"\\\x80-\xff]|\\[^u])"(?=[,:\]}\s])')
 
 
-def msgspec_may_decode(raw: bytes, *, depth_checked: bool = False) -> bool:
+def msgspec_may_decode(raw: bytes, *, depth_checked: bool = False, size_priced: bool = False) -> bool:
     """Whether msgspec may decode the JSON text `raw` in ``json.loads``' place: where it accepts
     the text, its value is the one ``json.loads`` returns (a differential property test,
     tests/unit/test_loads_upstream.py), and its memory is at most what the charge model prices
     for ``json.loads`` (it makes no ``str`` copy of the text; measured shape by shape in the same
     test) unless the text holds one-character ASCII strings (`_ONE_ASCII_CHAR`) or is one string.
-    Its nesting must be provably at most 256 levels: `depth_checked` (the caller's counter capped
-    it), a text of at most 512 bytes, or at most 256 ``[`` and ``{`` bytes. Pure; raises nothing.
-    Cost: one regex scan, ~2 ns a byte where strings are dense, less in long strings."""
+    `size_priced`: the caller's charge is a size-only bound (`ChargeModel.frame_charge`: per node
+    or per byte, fitted over msgspec's decode too, `budget.calibrate.parsers`), which prices
+    every string, one-character ones included, so neither condition applies. Its nesting must be
+    provably at most 256 levels: `depth_checked` (the caller's counter capped it), a text of at
+    most 512 bytes, or at most 256 ``[`` and ``{`` bytes. Pure; raises nothing. Cost: one regex
+    scan, ~2 ns a byte where strings are dense, less in long strings (none when `size_priced`)."""
     if not (
         depth_checked or len(raw) <= 2 * _FIRST_DEPTH or raw.count(b"[") + raw.count(b"{") <= _FIRST_DEPTH
     ):
         return False
-    return raw.lstrip()[:1] != b'"' and _ONE_ASCII_CHAR.search(raw) is None
+    return size_priced or (raw.lstrip()[:1] != b'"' and _ONE_ASCII_CHAR.search(raw) is None)
 
 
-def decode_first(raw: bytes, *, depth_checked: bool = False) -> tuple[bool, Any]:
+def decode_first(raw: bytes, *, depth_checked: bool = False, size_priced: bool = False) -> tuple[bool, Any]:
     """msgspec's decode of the JSON text `raw` where it may stand in for ``json.loads``
-    (`msgspec_may_decode`): ``(True, value)``, the value ``json.loads`` would return (dicts,
-    lists, ``str``, ``int``, ``float``, ``bool``, None; a repeated key keeps its last value, as
-    there). ``(False, None)`` when it may not or refuses the text (syntax, ``NaN``, lone
-    surrogates, numbers out of range, bytes that are not UTF-8): the caller's ``json.loads`` path
-    gives the verdict and its message. Raises nothing. The one first route of `loads_strict`,
-    ``middleware.upstream.reader.loads_upstream`` and `budget.calibrate`'s pipelines."""
-    if not msgspec_may_decode(raw, depth_checked=depth_checked):
+    (`msgspec_may_decode`, `depth_checked` and `size_priced` as there): ``(True, value)``, the
+    value ``json.loads`` would return (dicts, lists, ``str``, ``int``, ``float``, ``bool``, None;
+    a repeated key keeps its last value, as there). ``(False, None)`` when it may not or refuses
+    the text (syntax, ``NaN``, lone surrogates, numbers out of range, bytes that are not UTF-8):
+    the caller's ``json.loads`` path gives the verdict and its message. Raises nothing. The one
+    first route of `loads_strict`, ``middleware.upstream.reader.loads_upstream`` and
+    `budget.calibrate`'s pipelines."""
+    if not msgspec_may_decode(raw, depth_checked=depth_checked, size_priced=size_priced):
         return False, None
     try:
         return True, _FIRST.decode(raw)

@@ -105,7 +105,7 @@ _UPSTREAM_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, par
 _BOMS: Final = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")
 
 
-def loads_upstream(data: bytes, *, depth_checked: bool = False) -> Any:
+def loads_upstream(data: bytes, *, depth_checked: bool = False, size_priced: bool = False) -> Any:
     """``json.loads`` for upstream bytes: ``NaN`` / ``Infinity`` and numbers out of the float range
     (``-1e400``, which ``float`` turns into ``-inf``) raise `UpstreamInvalid` (DESIGN.md §5: what
     cannot be re-encoded as JSON is 502 ``upstream_invalid_response``). The bytes must be UTF-8
@@ -120,8 +120,10 @@ def loads_upstream(data: bytes, *, depth_checked: bool = False) -> Any:
     `depth_checked`: the caller counted it, `read_buffered_body`), 2-3 × faster: no ``str`` copy
     of the text, no Python hooks. Anything it refuses — ``NaN``, lone surrogates, numbers out of
     range, invalid UTF-8 — goes to ``json.loads``, whose verdict and message stand. The parse
-    peak priced (`budget.calibrate`) is the worse of the two."""
-    done, value = decode_first(data, depth_checked=depth_checked)
+    peak priced (`budget.calibrate`) is the worse of the two. `size_priced`: the caller checked
+    a size-only charge (an SSE frame's, `budget.Ledger.check_stream_frame_bounded`), which
+    covers msgspec's one-character strings (`budget.msgspec_may_decode`)."""
+    done, value = decode_first(data, depth_checked=depth_checked, size_priced=size_priced)
     return value if done else _UPSTREAM_DECODER.decode(data.decode("utf-8", "surrogatepass"))
 
 
@@ -613,7 +615,7 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
         return None
     ledger.check_stream_frame_bounded(data)
     try:
-        obj = loads_upstream(data)
+        obj = loads_upstream(data, size_priced=True)
     except UnicodeDecodeError:
         raise UpstreamIncomplete("upstream SSE data is not valid UTF-8") from None
     except (ValueError, RecursionError):

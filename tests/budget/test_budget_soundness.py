@@ -1,7 +1,7 @@
 """Soundness: the input charge is at least what parsing the payload really retains.
 
-Measured with tracemalloc for json.loads (what the gateway uses, via loads_strict) and
-orjson.loads, for the pathological shapes of budget.calibrate and for generated documents,
+Measured with tracemalloc for json.loads and msgspec (what the gateway uses, via loads_strict
+and decode_first) and orjson.loads, for the pathological shapes of budget.calibrate and for generated documents,
 under the default model and the measured CPython model."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ PARSERS = {**parsers(), "loads_strict": loads_strict}
 SIZE = 48 * 1024
 
 
-def test_orjson_is_measured_too() -> None:
-    assert set(PARSERS) == {"json.loads", "orjson.loads", "loads_strict"}
+def test_orjson_and_msgspec_are_measured_too() -> None:
+    assert set(PARSERS) == {"json.loads", "msgspec", "orjson.loads", "loads_strict"}
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

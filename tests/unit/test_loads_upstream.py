@@ -71,6 +71,13 @@ def assert_as_before(data: bytes) -> None:
             assert same(loads_upstream(data, depth_checked=True), old[1])
     else:
         assert new[1] == old[1]  # the same message: json.loads gave the verdict
+    # an SSE frame's caller (a size-only charge: msgspec takes one-character strings too) where
+    # that changes the route (deeper text goes to json.loads either way; at the interpreter's
+    # recursion limit one more call frame moves where json.loads refuses: the depth test)
+    if len(data) <= 512 or data.count(b"[") + data.count(b"{") <= 256:
+        framed = outcome(lambda text: loads_upstream(text, size_priced=True), data)
+        assert framed[0] == old[0], (data[:200], framed, old)
+        assert same(framed[1], old[1]) if framed[0] == "value" else framed[1] == old[1], data[:200]
 
 
 scalars = (
@@ -369,6 +376,42 @@ def test_the_measured_charge_covers_msgspecs_route(body: bytes, owner: str) -> N
     assert msgspec_may_decode(body, depth_checked=True)
     for store in (False, True):
         assert measured_charge(body, owner, store) >= pipeline_peak(body, owner, store, repeat=2)
+
+
+FRAME_SHAPES = {
+    "one-char strings": b'"x"',
+    "escaped one-char strings": b'"\\n"',
+    "one-char keys and values": b'{"a":"b","c":"d"}',
+    "empty objects": b"{}",
+    "empty arrays": b"[]",
+    "small objects": b'{"ab":1}',
+    "floats": b"1.5",
+    "literals": b"true",
+    "small ints": b"7",
+}
+
+
+@pytest.mark.parametrize("token", FRAME_SHAPES.values(), ids=FRAME_SHAPES.keys())
+@pytest.mark.parametrize("size", [600, 64 * 1024])
+def test_an_sse_frames_size_only_charge_covers_msgspec_with_one_character_strings(
+    token: bytes, size: int
+) -> None:
+    """An SSE frame is decoded by msgspec whatever its strings (`loads_upstream(size_priced=True)`,
+    the exact path's frames): its charge, `ChargeModel.frame_charge` per node (the measured model's
+    88 bytes, fitted over msgspec too: `budget.calibrate.parsers`; the reference model's 512), must
+    cover that parse's peak where msgspec allocates a ``str`` for each one-character string."""
+    from budget import ChargeModel, count_json_nodes
+
+    data = b'{"type":"response.output_text.delta","v":' + _array(token, size) + b"}"
+    nodes = count_json_nodes(data)
+    # msgspec's route wherever the nesting is provable (else json.loads': covered the same way)
+    assert msgspec_may_decode(data, size_priced=True) == (data.count(b"[") + data.count(b"{") <= 256)
+    peak = max(_peak(lambda text: loads_upstream(text, size_priced=True), data) for _ in range(2))
+    for model in (ChargeModel.measured(), ChargeModel.reference()):
+        for store in (False, True):
+            assert model.frame_charge(nodes, store) >= peak, (model.name, store, peak, nodes)
+    # the caller's bound before counting nodes: one node per byte (`check_stream_frame_bounded`)
+    assert ChargeModel.measured().frame_charge(len(data), False) >= peak
 
 
 def _one_char_strings(value: Any) -> bool:
