@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from operator import methodcaller
+from operator import add, methodcaller
 from typing import Final, NamedTuple
 
 __all__ = ["FeatureTally", "JsonFeatures"]
@@ -105,7 +105,9 @@ class JsonFeatures(NamedTuple):
         """``self + k * other`` field by field (``k`` may be negative, for differences of real
         payloads in `budget.costs`); ``text_width``, ``longest_string`` and ``escaped`` are the
         larger of the two when ``k > 0``, else ``self``'s."""
-        values = [a + k * b for a, b in zip(self, other, strict=True)]
+        values = (
+            list(map(add, self, other)) if k == 1 else [a + k * b for a, b in zip(self, other, strict=True)]
+        )
         for i in _NOT_SUMMED:  # the wider / larger one
             values[i] = max(self[i], other[i]) if k > 0 else self[i]
         return JsonFeatures._make(values)

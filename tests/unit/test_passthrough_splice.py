@@ -160,3 +160,24 @@ def test_an_event_with_nothing_added_is_its_own_bytes() -> None:
     normalise_response(response, REQUEST, created_at=1)
     data = json.dumps({"type": "response.created", "response": response}).encode()
     assert event_answer(data)[0] == data
+
+
+def test_the_added_members_features_are_those_of_their_own_bytes_each_time() -> None:
+    """The inserted members' features are cached by their bytes (`_added_features`): each answer
+    still gets the features of what was inserted into it, not of an earlier request's members."""
+    body = json.dumps(UPSTREAM).encode()
+    seen = set()
+    for request in (REQUEST, {**REQUEST, "temperature": 0.25, "metadata": {"k": "v" * 30}}, REQUEST):
+        parsed = json.loads(body)
+        before = dict(parsed)
+        normalise_response(parsed, request, created_at=1)
+        spliced = splice_members(body, json_features(body), parsed, before)
+        assert spliced is not None
+        data, features = spliced
+        assert json.loads(data) == parsed
+        added = {key: value for key, value in parsed.items() if key not in UPSTREAM}
+        assert features == json_features(body).combine(
+            json_features(json.dumps(added, separators=(",", ":")).encode())
+        )
+        seen.add(features)
+    assert len(seen) == 2  # two different insertions, two different counts
