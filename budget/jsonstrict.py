@@ -250,9 +250,12 @@ def msgspec_may_decode(raw: bytes, *, depth_checked: bool = False, size_priced: 
     tests/unit/test_loads_upstream.py), and its memory is at most what the charge model prices
     for ``json.loads`` (it makes no ``str`` copy of the text; measured shape by shape in the same
     test) unless the text holds one-character ASCII strings (`_ONE_ASCII_CHAR`) or is one string.
-    `size_priced`: the caller's charge is a size-only bound (`ChargeModel.frame_charge`: per node
-    or per byte, fitted over msgspec's decode too, `budget.calibrate.parsers`), which prices
-    every string, one-character ones included, so neither condition applies. Its nesting must be
+    `size_priced`: the caller's charge for the parse is a size-only bound
+    (`ChargeModel.frame_charge`: per node or per byte, fitted over msgspec's decode too,
+    `budget.calibrate.parsers`), which prices every string, one-character ones included, and
+    what it keeps of the value is priced so as well (a delta's text as a whole ``str``) or bounded
+    by a constant — not by the value's features, which price a one-character string at nothing —
+    so neither condition applies. Its nesting must be
     provably at most 256 levels: `depth_checked` (the caller's counter capped it), a text of at
     most 512 bytes, or at most 256 ``[`` and ``{`` bytes. Pure; raises nothing. Cost: one regex
     scan, ~2 ns a byte where strings are dense, less in long strings (none when `size_priced`)."""

@@ -231,17 +231,27 @@ def final_response(
 
 
 SUMMARY_TEXT_LIMIT = 256  # characters: longer strings (instructions, ...) are left out of a summary
+#: Fields a summary keeps at most, and the longest key it keeps (characters): a response object
+#: has ~25 scalar fields; an upstream's thousands of extra ones are left out.
+SUMMARY_FIELDS = 64
+SUMMARY_KEY_LIMIT = 64
 
 
 def response_summary(response: dict[str, Any]) -> dict[str, Any]:
     """The scalar fields of an upstream response object (``created_at``, ``model``,
-    ``temperature``, ``truncation``, …; strings up to `SUMMARY_TEXT_LIMIT` characters), kept for
-    the ``response.failed`` event of a later failure: bounded by a constant, so keeping it needs
-    no ledger charge (the object itself is forwarded and dropped)."""
-    return {
-        key: value
-        for key, value in response.items()
-        if value is None
-        or isinstance(value, bool | int | float)
-        or (isinstance(value, str) and len(value) <= SUMMARY_TEXT_LIMIT)
-    }
+    ``temperature``, ``truncation``, …; strings up to `SUMMARY_TEXT_LIMIT` characters, keys up to
+    `SUMMARY_KEY_LIMIT`, the first `SUMMARY_FIELDS` of them), kept for the ``response.failed``
+    event of a later failure: bounded by a constant (~150 KB at most: 64 keys of 64 characters
+    and values of 256 characters or 4,300 digits, however the object was decoded), so keeping it
+    needs no ledger charge (the object itself is forwarded and dropped)."""
+    summary: dict[str, Any] = {}
+    for key, value in response.items():
+        if len(key) <= SUMMARY_KEY_LIMIT and (
+            value is None
+            or isinstance(value, bool | int | float)
+            or (isinstance(value, str) and len(value) <= SUMMARY_TEXT_LIMIT)
+        ):
+            summary[key] = value
+            if len(summary) == SUMMARY_FIELDS:
+                break
+    return summary

@@ -94,7 +94,7 @@ def splice_members(
 #: The features of the members `splice_members` inserts, by their bytes (a pure function of
 #: them): the echo defaults a route's upstream leaves out are mostly the same from one request to
 #: the next, and counting ~200 bytes costs ~7 µs. Texts up to `_CACHED` bytes, `maxsize` of
-#: them: at most ~64 KB held by the process.
+#: them: at most ~100 KB held by the process (measured: 97 KB with every entry 1 KB).
 _CACHED: Final = 1024
 _added_features: Final = functools.lru_cache(maxsize=64)(json_features)
 

@@ -121,8 +121,9 @@ def loads_upstream(data: bytes, *, depth_checked: bool = False, size_priced: boo
     of the text, no Python hooks. Anything it refuses — ``NaN``, lone surrogates, numbers out of
     range, invalid UTF-8 — goes to ``json.loads``, whose verdict and message stand. The parse
     peak priced (`budget.calibrate`) is the worse of the two. `size_priced`: the caller checked
-    a size-only charge (an SSE frame's, `budget.Ledger.check_stream_frame_bounded`), which
-    covers msgspec's one-character strings (`budget.msgspec_may_decode`)."""
+    a size-only charge for the parse (an SSE frame's, `budget.Ledger.check_stream_frame_bounded`)
+    and keeps nothing of the value that a feature price covers (`_TRANSIENT_VALUES`), so msgspec
+    may decode one-character strings too (`budget.msgspec_may_decode`)."""
     done, value = decode_first(data, depth_checked=depth_checked, size_priced=size_priced)
     return value if done else _UPSTREAM_DECODER.decode(data.decode("utf-8", "surrogatepass"))
 
@@ -607,6 +608,16 @@ class _KeepaliveTimer:
                 task.exception()  # retrieved: the request is failing for another reason already
 
 
+#: Event types whose decoded value is kept only as `response_summary` (bounded by a constant), or
+#: not at all: with the ``.delta`` events (whose text is kept priced as a whole ``str``,
+#: `StreamAccumulator.apply`) msgspec may decode them whatever their strings (`loads_upstream`'s
+#: ``size_priced``: the frame's charge is size-only). An item or a terminal response is kept
+#: priced by its features, where a one-character string costs nothing (``json.loads`` shares it,
+#: msgspec would not): those are decoded under the same condition as a buffered body. The
+#: ``event:`` line decides; a frame whose data names another type is refused anyway.
+_TRANSIENT_VALUES: Final = frozenset({"response.created", "response.in_progress", "response.queued"})
+
+
 def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
     """One dispatched SSE event as an `UpstreamEvent` (its parse checked against the ledger), or
     None for what carries nothing (empty data, ``[DONE]``)."""
@@ -615,7 +626,9 @@ def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:
         return None
     ledger.check_stream_frame_bounded(data)
     try:
-        obj = loads_upstream(data, size_priced=True)
+        obj = loads_upstream(
+            data, size_priced=event.event in _TRANSIENT_VALUES or event.event.endswith(".delta")
+        )
     except UnicodeDecodeError:
         raise UpstreamIncomplete("upstream SSE data is not valid UTF-8") from None
     except (ValueError, RecursionError):

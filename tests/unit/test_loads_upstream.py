@@ -7,6 +7,7 @@ msgspec's value only when it provably repeats no key (the exact path names the r
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import tracemalloc
@@ -412,6 +413,59 @@ def test_an_sse_frames_size_only_charge_covers_msgspec_with_one_character_string
             assert model.frame_charge(nodes, store) >= peak, (model.name, store, peak, nodes)
     # the caller's bound before counting nodes: one node per byte (`check_stream_frame_bounded`)
     assert ChargeModel.measured().frame_charge(len(data), False) >= peak
+
+
+def _kept_by_the_accumulator(kind: str, data: bytes, store: bool) -> tuple[int, int]:
+    """What `StreamAccumulator.apply` keeps of one frame decoded by the exact path (`_decode`),
+    in bytes (tracemalloc, after a collection), and what the measured model charged for it."""
+    from budget import ChargeModel, Ledger
+    from middleware.upstream.reader import StreamAccumulator, _decode
+    from middleware.upstream.sse import SSEEvent
+
+    ledger = Ledger(1 << 40, ChargeModel.measured(), store=store)
+    accumulator = StreamAccumulator(ledger)
+    frame = SSEEvent(kind, data)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        event = _decode(frame, ledger)
+        assert event is not None
+        accumulator.apply(event)
+        del event
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert accumulator.items or accumulator.terminal is not None
+    return kept, ledger.charged
+
+
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize(
+    ("kind", "frame"),
+    [
+        (
+            "response.output_item.done",
+            '{"type":"response.output_item.done","output_index":0,'
+            '"item":{"type":"message","id":"m","content":[],"pad":[%s]}}',
+        ),
+        (
+            "response.completed",
+            '{"type":"response.completed","response":{"id":"r","status":"completed","output":[],"pad":[%s]}}',
+        ),
+    ],
+)
+def test_what_the_accumulator_keeps_of_a_frame_is_within_its_charge(
+    kind: str, frame: str, store: bool
+) -> None:
+    """An item or a terminal response is kept priced by its features, which price a one-character
+    string at nothing (``json.loads`` shares it): such a frame must not take msgspec's route,
+    which allocates a ``str`` for each (found by the attack on the change that let every frame
+    take it: 11.6 MB kept against a 2.25 MB charge for 200,000 ``"x"``)."""
+    data = (frame % ",".join(['"x"'] * 20_000)).encode()
+    kept, charged = _kept_by_the_accumulator(kind, data, store)
+    assert kept <= charged, (kept, charged)
 
 
 def _one_char_strings(value: Any) -> bool:

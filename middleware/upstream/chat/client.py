@@ -208,7 +208,7 @@ class ChatResponse:
             return _encode(converter.done())
         self._ledger.check_stream_frame_bounded(data)
         try:
-            obj: Any = loads_upstream(data, size_priced=True)  # its frame charge prices every string
+            obj: Any = loads_upstream(data)
         except (ValueError, RecursionError):
             raise reply_failure("invalid_chunk") from None
         if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
