@@ -310,7 +310,13 @@ class AgentLoop:
         )
         self.stitcher = (
             StreamStitcher(
-                ctx.client, resolved, self.response_id, self.request, self.items, created_at=ctx.created_at
+                ctx.client,
+                resolved,
+                self.response_id,
+                self.request,
+                self.items,
+                created_at=ctx.created_at,
+                ledger=ctx.ledger,
             )
             if ctx.stream
             else None

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from itertools import repeat
 from typing import Any
 
+from budget import Ledger
 from middleware.asgi.client_stream import ClientStream
 from middleware.ids import new_id
 from middleware.loop.echo import normalise_response
@@ -38,11 +39,16 @@ class StreamStitcher:
         items: list[dict[str, Any]],
         *,
         created_at: int | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         """``client``: the writer; ``resolved``: the request's tools; ``response_id``: the gateway's
         id; ``request``: the client's request; ``items``: the client-visible output so far (the
-        loop's list, read for the failure snapshot); ``created_at``: see `normalise_response`."""
+        loop's list, read for the failure snapshot); ``created_at``: see `normalise_response`;
+        ``ledger``: the request's, which charges the items kept as added (`round_items`) until the
+        round ends (None: not charged, for tests of the stitching alone)."""
         self.client = client
+        self.ledger = ledger
+        self._added_charge = 0  # what `ledger` holds for `round_items` (bytes)
         self.resolved = resolved
         self.response_id = response_id
         self.request = request
@@ -143,6 +149,7 @@ class StreamStitcher:
         if event.type in TERMINAL_EVENTS:
             self.round_map = {}
             self.round_items = {}
+            self._release_added()
             await self.ensure_started()  # an upstream that sent nothing before its terminal event
             return
         if not self.started:
@@ -163,6 +170,11 @@ class StreamStitcher:
             self.round_map[index] = self.next_index
             self.next_index += 1
             if isinstance(item, dict):
+                # kept until the round ends (`seen_items`): charged as the accumulator charges a
+                # finished item, on the frame's bytes (at least the item's); `BudgetExceeded`
+                # when it does not fit
+                if self.ledger is not None:
+                    self._added_charge += self.ledger.admit_accumulated(event.data)
                 self.round_items[index] = item
         changed = event.changed
         if isinstance(index, int):
@@ -205,6 +217,12 @@ class StreamStitcher:
             ):
                 return i
         return len(heads)
+
+    def _release_added(self) -> None:
+        """Release the charge of the items kept as added (the round ended: they are dropped)."""
+        if self.ledger is not None and self._added_charge:
+            self.ledger.release(self._added_charge)
+        self._added_charge = 0
 
     def seen_items(
         self, delta_text: Callable[[int], str], done: dict[int, dict[str, Any]]

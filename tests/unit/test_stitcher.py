@@ -11,6 +11,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from starlette.types import Message
 
 from middleware.asgi.client_stream import ClientStream
@@ -217,3 +218,63 @@ def test_a_buffered_answer_is_synthesized_without_the_gateway_calls() -> None:
         (2, "message"),
     ]
     assert added[1]["item"]["name"] == "mine"
+
+
+BIG_ITEM = {"type": "message", "id": "msg_1", "role": "assistant", "content": [], "pad": ["ab"] * 20_000}
+BIG_ADDED = {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": BIG_ITEM}
+
+
+def _keep_big_added(ledger: Any) -> tuple[int, int, int]:
+    """Forward a round's lifecycle events and `BIG_ADDED` to a stitcher charging `ledger`: what
+    forwarding the item kept (bytes, tracemalloc), what the ledger then held, and what it held once
+    the round ended."""
+    import gc
+    import tracemalloc
+
+    from middleware.upstream.reader import loads_upstream
+
+    request: dict[str, Any] = {"model": "m", "input": "hi", "stream": True}
+
+    async def send(message: Message) -> None:
+        return None
+
+    async def main() -> tuple[int, int, int]:
+        stitcher = StreamStitcher(
+            ClientStream(send), resolved(request), GATEWAY_ID, request, [], ledger=ledger
+        )
+        for obj in round_two()[:2]:
+            await stitcher.forward(up(obj))
+        data = json.dumps(BIG_ADDED).encode()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            event = UpstreamEvent(BIG_ADDED["type"], data, loads_upstream(data))
+            await stitcher.forward(event)
+            del event
+            gc.collect()
+            kept = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        assert stitcher.round_items[0]["id"] == "msg_1"
+        charged = ledger.charged
+        await stitcher.forward(up(round_two()[-1]))  # the round ends: the items are dropped
+        return kept, charged, ledger.charged
+
+    return asyncio.run(main())
+
+
+def test_an_item_kept_as_added_is_charged_until_the_round_ends() -> None:
+    """The stitcher keeps each visible item as it was added for the round (`seen_items`, when the
+    client goes away before it finished): the request's ledger is charged for it (it was kept
+    uncharged: an upstream's large ``output_item.added`` held memory outside the ledger), the
+    charge covers what is kept and is released when the round ends; an item that does not fit is
+    a cap hit (`BudgetExceeded`)."""
+    from budget import BudgetExceeded, ChargeModel, Ledger
+
+    for model in (ChargeModel.measured(), ChargeModel.reference()):
+        kept, charged, after = _keep_big_added(Ledger(1 << 30, model))
+        assert charged >= kept > 100_000, (model.name, charged, kept)
+        assert after == 0
+    with pytest.raises(BudgetExceeded):
+        _keep_big_added(Ledger(200_000, ChargeModel.measured()))
