@@ -496,6 +496,59 @@ def test_b19_streamed_overflow_is_one_error_frame_after_the_mcp_call_events(
     assert m.delta("loopwarden_cap_hits_total", limit="max_retained_bytes", outcome="sse_error") == 1
 
 
+def test_items_kept_as_added_are_charged_in_a_streamed_loop(upstream: MockUpstream, mcp_url: str) -> None:
+    """The stitcher keeps each visible item as the upstream added it for the round (the response
+    stored when the client goes away mid-round shows it), charged to the ledger: six ~250 KB
+    ``output_item.added`` frames each fit alone (the frame's own charge is released after it),
+    but the items kept together are over a 4 MiB request's limit — one error frame and
+    ``response.failed``, where they were kept uncharged and the stream completed."""
+    items = [
+        {
+            **message_item("x", f"msg_{i}"),
+            "content": [],
+            "status": "in_progress",
+            "metadata": {"n": "n" * 250_000},
+        }
+        for i in range(6)
+    ]
+    stream = [
+        *PRE(),
+        *(
+            E(
+                "response.output_item.added",
+                {
+                    "type": "response.output_item.added",
+                    "sequence_number": 2 + i,
+                    "output_index": i,
+                    "item": item,
+                },
+            )
+            for i, item in enumerate(items)
+        ),
+        DONE(8, [message_item("x", f"msg_{i}") for i in range(6)]),
+    ]
+    upstream.push(Reply.sse(stream))
+    with loop_gateway(upstream, mcp_url) as (url, _):
+        m = MetricDelta()
+        r = httpx.post(
+            url + "/v1/responses",
+            json={"model": "m", "input": "x", "tools": [TOOLS_DECL], "stream": True},
+            timeout=60,
+        )
+    events = sse_events(r.content)
+    names = [n for n, _ in events]
+    assert names[:2] == ["response.created", "response.in_progress"]
+    added = [
+        d["item"]["id"]
+        for n, d in events
+        if n == "response.output_item.added" and d["item"]["type"] == "message"
+    ]
+    assert 1 <= len(added) < 6  # refused at the item that did not fit, not at the first
+    assert names.count("error") == 1 and names[-2:] == ["error", "response.failed"]
+    assert events[-2][1]["code"] == "max_retained_bytes_exceeded"
+    assert m.delta("loopwarden_cap_hits_total", limit="max_retained_bytes", outcome="sse_error") == 1
+
+
 def test_default_result_cap_turns_a_huge_result_into_an_error_output(
     upstream: MockUpstream, mcp_url: str
 ) -> None:
