@@ -134,6 +134,16 @@ def loop_gateway(upstream: MockUpstream, mcp_url: str, **kw: Any) -> Any:
     return gateway(upstream, **kw)
 
 
+def post_streamed(url: str, timeout: float = 60) -> list[tuple[str, Any]]:
+    """POST a streamed request that declares the MCP server ``tools``; the SSE events answered."""
+    r = httpx.post(
+        url + "/v1/responses",
+        json={"model": "m", "input": "x", "tools": [TOOLS_DECL], "stream": True},
+        timeout=timeout,
+    )
+    return sse_events(r.content)
+
+
 def fc_reply(*calls: dict[str, Any]) -> Reply:
     return Reply.json(
         response_obj(list(calls), usage={"input_tokens": 10, "output_tokens": 2, "total_tokens": 12})
@@ -360,12 +370,7 @@ def test_b01_streaming_variant_is_one_error_frame(upstream: MockUpstream, mcp_ur
     upstream.push(*[Reply.sse(fc_stream(FC(f"call_{i}", "lookup", "{}"))) for i in range(4)])
     with loop_gateway(upstream, mcp_url) as (url, _):
         m = MetricDelta()
-        r = httpx.post(
-            url + "/v1/responses",
-            json={"model": "m", "input": "x", "tools": [TOOLS_DECL], "stream": True},
-            timeout=30,
-        )
-    events = sse_events(r.content)
+        events = post_streamed(url, timeout=30)
     names = [name for name, _ in events]
     assert names[0] == "response.created"
     assert names.count("error") == 1 and names[-2:] == ["error", "response.failed"]
@@ -530,12 +535,7 @@ def test_items_kept_as_added_are_charged_in_a_streamed_loop(upstream: MockUpstre
     upstream.push(Reply.sse(stream))
     with loop_gateway(upstream, mcp_url) as (url, _):
         m = MetricDelta()
-        r = httpx.post(
-            url + "/v1/responses",
-            json={"model": "m", "input": "x", "tools": [TOOLS_DECL], "stream": True},
-            timeout=60,
-        )
-    events = sse_events(r.content)
+        events = post_streamed(url)
     names = [n for n, _ in events]
     assert names[:2] == ["response.created", "response.in_progress"]
     added = [
