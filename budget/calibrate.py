@@ -220,8 +220,8 @@ class Measurement:
 
 def parsers() -> dict[str, Parser]:
     """The parsers to measure: ``json.loads``, msgspec's decode (the gateway's first route,
-    `budget.decode_first`: an SSE frame's size-only charge must cover it with no condition on
-    its strings) and ``orjson.loads`` when installed."""
+    `budget.decode_first`: the size-only charge of a lifecycle or delta frame must cover it with
+    no condition on its strings) and ``orjson.loads`` when installed."""
     found: dict[str, Parser] = {"json.loads": json.loads, "msgspec": msgspec.json.decode}
     try:
         import orjson

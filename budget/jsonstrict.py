@@ -255,10 +255,10 @@ def msgspec_may_decode(raw: bytes, *, depth_checked: bool = False, size_priced: 
     `budget.calibrate.parsers`), which prices every string, one-character ones included, and
     what it keeps of the value is priced so as well (a delta's text as a whole ``str``) or bounded
     by a constant — not by the value's features, which price a one-character string at nothing —
-    so neither condition applies. Its nesting must be
-    provably at most 256 levels: `depth_checked` (the caller's counter capped it), a text of at
-    most 512 bytes, or at most 256 ``[`` and ``{`` bytes. Pure; raises nothing. Cost: one regex
-    scan, ~2 ns a byte where strings are dense, less in long strings (none when `size_priced`)."""
+    so neither condition applies. Its nesting must be provably at most 256 levels:
+    `depth_checked` (the caller's counter capped it), a text of at most 512 bytes, or at most 256
+    ``[`` and ``{`` bytes. Pure; raises nothing. Cost: one regex scan, ~2 ns a byte where strings
+    are dense, less in long strings (none when `size_priced`)."""
     if not (
         depth_checked or len(raw) <= 2 * _FIRST_DEPTH or raw.count(b"[") + raw.count(b"{") <= _FIRST_DEPTH
     ):

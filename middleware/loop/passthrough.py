@@ -25,6 +25,8 @@ from middleware.upstream.chat.client import bind_ledger
 from middleware.upstream.errors import read_limited, status_failure
 from middleware.upstream.protocol import UpstreamResponse
 from middleware.upstream.reader import (
+    LIFECYCLE_EVENTS,
+    TERMINAL_EVENTS,
     StreamAccumulator,
     UpstreamEvent,
     dumps_checked,
@@ -34,16 +36,7 @@ from middleware.upstream.reader import (
 )
 
 #: The events whose response object is normalised: lifecycle and terminal (DESIGN.md §5).
-NORMALISED_EVENTS = frozenset(
-    {
-        "response.created",
-        "response.in_progress",
-        "response.queued",
-        "response.completed",
-        "response.incomplete",
-        "response.failed",
-    }
-)
+NORMALISED_EVENTS = LIFECYCLE_EVENTS | TERMINAL_EVENTS
 
 
 def _added_members(parsed: dict[str, Any], before: dict[str, Any]) -> dict[str, Any] | None:

@@ -22,9 +22,9 @@ from middleware.ids import new_id
 from middleware.loop.echo import normalise_response
 from middleware.loop.items import call_arguments, public_tools, response_summary, terminal_event
 from middleware.tools import ResolvedTools
-from middleware.upstream.reader import TERMINAL_EVENTS, UpstreamEvent
+from middleware.upstream.reader import LIFECYCLE_EVENTS, TERMINAL_EVENTS, UpstreamEvent
 
-LIFECYCLE = frozenset({"response.created", "response.in_progress", "response.queued"})
+LIFECYCLE = LIFECYCLE_EVENTS
 
 
 class StreamStitcher:
@@ -38,14 +38,14 @@ class StreamStitcher:
         request: dict[str, Any],
         items: list[dict[str, Any]],
         *,
+        ledger: Ledger,
         created_at: int | None = None,
-        ledger: Ledger | None = None,
     ) -> None:
         """``client``: the writer; ``resolved``: the request's tools; ``response_id``: the gateway's
         id; ``request``: the client's request; ``items``: the client-visible output so far (the
         loop's list, read for the failure snapshot); ``created_at``: see `normalise_response`;
         ``ledger``: the request's, which charges the items kept as added (`round_items`) until the
-        round ends (None: not charged, for tests of the stitching alone)."""
+        round ends."""
         self.client = client
         self.ledger = ledger
         self._added_charge = 0  # what `ledger` holds for `round_items` (bytes)
@@ -173,8 +173,7 @@ class StreamStitcher:
                 # kept until the round ends (`seen_items`): charged as the accumulator charges a
                 # finished item, on the frame's bytes (at least the item's); `BudgetExceeded`
                 # when it does not fit
-                if self.ledger is not None:
-                    self._added_charge += self.ledger.admit_accumulated(event.data)
+                self._added_charge += self.ledger.admit_accumulated(event.data)
                 self.round_items[index] = item
         changed = event.changed
         if isinstance(index, int):
@@ -220,7 +219,7 @@ class StreamStitcher:
 
     def _release_added(self) -> None:
         """Release the charge of the items kept as added (the round ended: they are dropped)."""
-        if self.ledger is not None and self._added_charge:
+        if self._added_charge:
             self.ledger.release(self._added_charge)
         self._added_charge = 0
 

@@ -63,6 +63,8 @@ EVENT_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # what may be written into a
 SLICE = 4096  # bytes fed to the SSE parser at a time, so charges do not depend on socket reads
 MAX_UPSTREAM_DEPTH = 256  # JSON nesting accepted from the upstream (json.loads recurses per level)
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+#: The events that open a response before its output (Open Responses' streaming lifecycle).
+LIFECYCLE_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
 
 
 @dataclasses.dataclass(slots=True)
@@ -615,7 +617,7 @@ class _KeepaliveTimer:
 #: priced by its features, where a one-character string costs nothing (``json.loads`` shares it,
 #: msgspec would not): those are decoded under the same condition as a buffered body. The
 #: ``event:`` line decides; a frame whose data names another type is refused anyway.
-_TRANSIENT_VALUES: Final = frozenset({"response.created", "response.in_progress", "response.queued"})
+_TRANSIENT_VALUES: Final = LIFECYCLE_EVENTS
 
 
 def _decode(event: SSEEvent, ledger: Ledger) -> UpstreamEvent | None:

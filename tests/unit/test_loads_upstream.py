@@ -397,8 +397,8 @@ FRAME_SHAPES = {
 def test_an_sse_frames_size_only_charge_covers_msgspec_with_one_character_strings(
     token: bytes, size: int
 ) -> None:
-    """An SSE frame is decoded by msgspec whatever its strings (`loads_upstream(size_priced=True)`,
-    the exact path's frames): its charge, `ChargeModel.frame_charge` per node (the measured model's
+    """A lifecycle or delta frame is decoded by msgspec whatever its strings
+    (`loads_upstream(size_priced=True)`, the exact path's frames): its charge, `ChargeModel.frame_charge` per node (the measured model's
     88 bytes, fitted over msgspec too: `budget.calibrate.parsers`; the reference model's 512), must
     cover that parse's peak where msgspec allocates a ``str`` for each one-character string."""
     from budget import ChargeModel, count_json_nodes

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from starlette.types import Message
 
+from budget import BudgetExceeded, ChargeModel, Ledger
 from middleware.asgi.client_stream import ClientStream
 from middleware.loop.stitcher import StreamStitcher
 from middleware.tools.resolved import GatewayTool, ResolvedTools
@@ -72,7 +73,10 @@ def stitch(
         async def send(message: Message) -> None:
             sent.append(message)
 
-        stitcher = StreamStitcher(ClientStream(send), resolved(request), GATEWAY_ID, request, [])
+        ledger = Ledger(1 << 30, ChargeModel.measured())
+        stitcher = StreamStitcher(
+            ClientStream(send), resolved(request), GATEWAY_ID, request, [], ledger=ledger
+        )
         await script(stitcher)
         await stitcher.client.flush()  # what the loop does before it waits (the frames are buffered)
         return stitcher
@@ -224,7 +228,7 @@ BIG_ITEM = {"type": "message", "id": "msg_1", "role": "assistant", "content": []
 BIG_ADDED = {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": BIG_ITEM}
 
 
-def _keep_big_added(ledger: Any) -> tuple[int, int, int]:
+def _keep_big_added(ledger: Ledger) -> tuple[int, int, int]:
     """Forward a round's lifecycle events and `BIG_ADDED` to a stitcher charging `ledger`: what
     forwarding the item kept (bytes, tracemalloc), what the ledger then held, and what it held once
     the round ended."""
@@ -270,8 +274,6 @@ def test_an_item_kept_as_added_is_charged_until_the_round_ends() -> None:
     uncharged: an upstream's large ``output_item.added`` held memory outside the ledger), the
     charge covers what is kept and is released when the round ends; an item that does not fit is
     a cap hit (`BudgetExceeded`)."""
-    from budget import BudgetExceeded, ChargeModel, Ledger
-
     for model in (ChargeModel.measured(), ChargeModel.reference()):
         kept, charged, after = _keep_big_added(Ledger(1 << 30, model))
         assert charged >= kept > 100_000, (model.name, charged, kept)

@@ -83,7 +83,9 @@ def stitched_round(
         resolved = ResolvedTools(
             upstream_tools=[], list_items=[], gateway_tools={}, endpoints={}, connect_timeout=1
         )
-        stitcher = StreamStitcher(client, resolved, "resp_gw", REQUEST, [], created_at=1_700_000_000)
+        stitcher = StreamStitcher(
+            client, resolved, "resp_gw", REQUEST, [], ledger=ledger, created_at=1_700_000_000
+        )
         acc = StreamAccumulator(ledger)
         try:
             outcome = await read_round(
