@@ -24,8 +24,6 @@ from middleware.loop.items import call_arguments, public_tools, response_summary
 from middleware.tools import ResolvedTools
 from middleware.upstream.reader import LIFECYCLE_EVENTS, TERMINAL_EVENTS, UpstreamEvent
 
-LIFECYCLE = LIFECYCLE_EVENTS
-
 
 class StreamStitcher:
     """Turns the SSE events of every round into one logical client stream (DESIGN.md §6)."""
@@ -133,7 +131,7 @@ class StreamStitcher:
         obj = event.obj
         raw_response = obj.get("response")
         response: dict[str, Any] = raw_response if isinstance(raw_response, dict) else {}
-        if event.type in LIFECYCLE:
+        if event.type in LIFECYCLE_EVENTS:
             if self.started:
                 return  # later rounds: one response.created / in_progress per client request
             if event.type == "response.created":
